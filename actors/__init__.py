@@ -1,0 +1,1 @@
+"""Plain runner classes (TargetRunner, DraftRunner, Scheduler) and their thin Ray actor wrappers."""

@@ -1,0 +1,1 @@
+"""Benchmarks that print JSON and draw PNG plots."""

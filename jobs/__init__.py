@@ -1,0 +1,1 @@
+"""Batch generation entry points for `ray job submit`."""

@@ -1,0 +1,1 @@
+import sys; print("serving is not built yet"); sys.exit(1)

@@ -1,0 +1,269 @@
+"""Batch-level state that travels between the scheduler, the draft and the target.
+
+Every class holds only tensors and plain values (cheap through Ray channels), and follows
+one protocol: `create_idle(...)` builds a zero-row input of the right widths, `merge(other)`
+appends another batch's requests, `filter(keep)` keeps the listed request rows, and
+`num_requests` counts rows. Idle inputs exist so that a phase with no work (a data-parallel
+rank without requests, a prefill step's propose phase) still runs in a compiled graph.
+
+Widths of idle inputs always come from a `HiddenStateSpec` built by `spec.shapes`, never
+from the other side's config: the draft's recurrent hidden width and the target hidden
+width fed to the draft differ for EAGLE-3 and must never be confused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
+
+import torch
+
+from spec.shapes import HiddenStateSpec, ShapeContractError
+
+Keep = Sequence[int] | torch.Tensor
+
+
+def _keep_index(keep: Keep, num_rows: int) -> torch.Tensor:
+    index = torch.as_tensor(keep).reshape(-1)
+    if index.dtype == torch.bool:
+        index = index.nonzero().flatten()
+    index = index.to(torch.long)
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= num_rows):
+        raise IndexError(f"filter: row index out of range for a batch of {num_rows} requests")
+    return index
+
+
+def _cat_rows(name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """Concatenate along rows; both None (no hidden states) stays None."""
+    if a is None and b is None:
+        return None
+    if a is None or b is None:
+        raise ShapeContractError(f"merge: {name} is None on one side only")
+    if a.shape[1:] != b.shape[1:] or a.dtype != b.dtype:
+        raise ShapeContractError(
+            f"merge: {name} shapes disagree: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+        )
+    return torch.cat([a, b.to(a.device)], dim=0)
+
+
+def _cat_padded(a: torch.Tensor, b: torch.Tensor, pad: int) -> torch.Tensor:
+    """Concatenate (B, L) tensors whose second dims may differ, padding with `pad`."""
+    width = max(a.shape[1], b.shape[1])
+    def widen(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] == width:
+            return x
+        out = torch.full((x.shape[0], width), pad, dtype=x.dtype, device=x.device)
+        out[:, : x.shape[1]] = x
+        return out
+    return torch.cat([widen(a), widen(b)], dim=0)
+
+
+class _RowBatch:
+    """merge/filter for dataclasses whose tensor fields all have one row per request."""
+
+    def _row_fields(self) -> list[str]:
+        return [f.name for f in fields(self)]  # type: ignore[arg-type]
+
+    @property
+    def num_requests(self) -> int:
+        return int(getattr(self, self._row_fields()[0]).shape[0])
+
+    def merge(self, other):
+        if type(other) is not type(self):
+            raise ShapeContractError(f"merge: cannot merge {type(other).__name__} into {type(self).__name__}")
+        return replace(self, **{n: _cat_rows(n, getattr(self, n), getattr(other, n)) for n in self._row_fields()})
+
+    def filter(self, keep: Keep):
+        index = _keep_index(keep, self.num_requests)
+        return replace(
+            self,
+            **{
+                n: None if getattr(self, n) is None else getattr(self, n).index_select(0, index.to(getattr(self, n).device))
+                for n in self._row_fields()
+            },
+        )
+
+
+@dataclass
+class DraftInput(_RowBatch):
+    """State the draft needs to propose for each running request (row i = request i).
+
+    verified_id:   (B,)   last token the target produced; not yet in any KV cache
+    hidden_states: (B, Hd) the draft's recurrent hidden state (EAGLE/EAGLE3), None otherwise
+    topk_p:        (B, K) the draft's top-k probabilities for the token after verified_id
+    topk_index:    (B, K) their target-vocabulary ids (K = 0 where the draft has not seen verified_id yet)
+    """
+
+    verified_id: torch.Tensor
+    hidden_states: torch.Tensor | None
+    topk_p: torch.Tensor
+    topk_index: torch.Tensor
+
+    @classmethod
+    def create_idle(cls, spec: HiddenStateSpec | None, topk: int) -> "DraftInput":
+        return cls(
+            verified_id=torch.zeros(0, dtype=torch.long),
+            hidden_states=None if spec is None else spec.empty(0),
+            topk_p=torch.zeros((0, topk), dtype=torch.float32),
+            topk_index=torch.zeros((0, topk), dtype=torch.long),
+        )
+
+
+@dataclass
+class VerifyInput(_RowBatch):
+    """A draft tree per request for the target to verify (N nodes, node 0 = verified_id).
+
+    draft_tokens: (B, N)    token at each node
+    parents:      (B, N)    parent node of each node (-1 for the root): the retrieve structure
+                            that turns the accepted leaf back into a path
+    positions:    (B, N)    absolute position of each node (root position + depth)
+    tree_mask:    (B, N, N) node i may attend to node j (j is i or an ancestor of i)
+    A chain is the tree whose node i has parent i - 1.
+    """
+
+    draft_tokens: torch.Tensor
+    parents: torch.Tensor
+    positions: torch.Tensor
+    tree_mask: torch.Tensor
+
+    @classmethod
+    def create_idle(cls, num_draft_tokens: int) -> "VerifyInput":
+        n = num_draft_tokens
+        return cls(
+            draft_tokens=torch.zeros((0, n), dtype=torch.long),
+            parents=torch.zeros((0, n), dtype=torch.long),
+            positions=torch.zeros((0, n), dtype=torch.long),
+            tree_mask=torch.zeros((0, n, n), dtype=torch.bool),
+        )
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return int(self.draft_tokens.shape[1])
+
+
+@dataclass
+class DraftExtendInput:
+    """Tokens the target just committed to its KV cache, for the draft to catch up on.
+
+    Ragged: request i owns rows offsets[i] : offsets[i] + extend_lens[i] of the token fields.
+    tokens:        (T,)      committed tokens (prefill: the prompt; decode: root + accepted drafts)
+    next_tokens:   (T,)      the token following each one; a request's last entry is its new verified id
+    positions:     (T,)
+    slots:         (T,)      KV slots holding them (the scheduler frees the other verify slots)
+    hidden_states: (T, Ht)   target hidden rows the draft consumes (EAGLE: last layer; EAGLE3:
+                             concatenated aux layers), None for STANDALONE / NGRAM / NONE
+    extend_lens:   (B,)
+    accept_lens:   (B,)      accepted draft tokens per request (0 for prefill)
+    """
+
+    tokens: torch.Tensor
+    next_tokens: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    hidden_states: torch.Tensor | None
+    extend_lens: torch.Tensor
+    accept_lens: torch.Tensor
+
+    _TOKEN_FIELDS = ("tokens", "next_tokens", "positions", "slots", "hidden_states")
+
+    @classmethod
+    def create_idle(cls, spec: HiddenStateSpec | None) -> "DraftExtendInput":
+        empty = torch.zeros(0, dtype=torch.long)
+        return cls(
+            tokens=empty, next_tokens=empty.clone(), positions=empty.clone(), slots=empty.clone(),
+            hidden_states=None if spec is None else spec.empty(0),
+            extend_lens=empty.clone(), accept_lens=empty.clone(),
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.extend_lens.shape[0])
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """(B,) first token row of each request."""
+        return torch.cumsum(self.extend_lens, 0) - self.extend_lens
+
+    def new_token_ids(self) -> list[list[int]]:
+        """Per request, the tokens to append to its output: accepted drafts then the bonus token."""
+        out, nxt = [], self.next_tokens.tolist()
+        for start, length, acc in zip(self.offsets.tolist(), self.extend_lens.tolist(), self.accept_lens.tolist()):
+            end = start + length
+            out.append(nxt[end - acc - 1 : end])
+        return out
+
+    def merge(self, other: "DraftExtendInput") -> "DraftExtendInput":
+        if type(other) is not type(self):
+            raise ShapeContractError(f"merge: cannot merge {type(other).__name__} into DraftExtendInput")
+        merged = {n: _cat_rows(n, getattr(self, n), getattr(other, n)) for n in self._TOKEN_FIELDS}
+        return replace(
+            self, **merged,
+            extend_lens=torch.cat([self.extend_lens, other.extend_lens]),
+            accept_lens=torch.cat([self.accept_lens, other.accept_lens]),
+        )
+
+    def filter(self, keep: Keep) -> "DraftExtendInput":
+        index = _keep_index(keep, self.num_requests)
+        starts, lens = self.offsets[index], self.extend_lens[index]
+        rows = (
+            torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())])
+            if index.numel() else torch.zeros(0, dtype=torch.long)
+        )
+        kept = {n: None if getattr(self, n) is None else getattr(self, n).index_select(0, rows) for n in self._TOKEN_FIELDS}
+        return replace(self, **kept, extend_lens=lens, accept_lens=self.accept_lens[index])
+
+
+@dataclass
+class BatchMeta(_RowBatch):
+    """What every phase needs about the requests of one step (row i = request i).
+
+    The scheduler builds it fresh each step; runners keep no per-request state, so a
+    restarted runner only needs its KV refilled.
+    seq_lens:      (B,)    tokens already in the KV cache (= position of the next new token)
+    kv_slots:      (B, L)  committed KV slots, row i valid up to seq_lens[i]
+    prefill_lens:  (B,)    tokens to extend in a prefill step (0 in a decode step)
+    prefill_tokens:(B, P)  those tokens, padded
+    prefill_slots: (B, P)  their KV slots, padded
+    next_token:    (B,)    prefill: a known next token (recovery re-prefill), or -1 to sample one
+    scratch_slots: (B, S)  slots the draft may write while proposing (freed after the step)
+    verify_slots:  (B, N)  slots for the verify tree (accepted ones are kept)
+    temperature, top_p: (B,) float;  top_k, seeds: (B,) long
+    history:       (B, Lh) prompt + output tokens, padded with -1 (NGRAM lookup; else (B, 0))
+    """
+
+    seq_lens: torch.Tensor
+    kv_slots: torch.Tensor
+    prefill_lens: torch.Tensor
+    prefill_tokens: torch.Tensor
+    prefill_slots: torch.Tensor
+    next_token: torch.Tensor
+    scratch_slots: torch.Tensor
+    verify_slots: torch.Tensor
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seeds: torch.Tensor
+    history: torch.Tensor
+
+    _PADDED = {"kv_slots": 0, "prefill_tokens": 0, "prefill_slots": 0, "history": -1}
+
+    @classmethod
+    def create_idle(cls, scratch: int = 0, num_draft_tokens: int = 1) -> "BatchMeta":
+        long0 = lambda *s: torch.zeros((0, *s), dtype=torch.long)  # noqa: E731
+        return cls(
+            seq_lens=long0(), kv_slots=long0(0), prefill_lens=long0(), prefill_tokens=long0(0),
+            prefill_slots=long0(0), next_token=long0(), scratch_slots=long0(scratch),
+            verify_slots=long0(num_draft_tokens), temperature=torch.zeros(0), top_p=torch.ones(0),
+            top_k=long0(), seeds=long0(), history=long0(0),
+        )
+
+    @property
+    def is_prefill(self) -> bool:
+        return bool(self.prefill_lens.numel()) and int(self.prefill_lens.max()) > 0
+
+    def merge(self, other: "BatchMeta") -> "BatchMeta":
+        merged = {}
+        for name in self._row_fields():
+            a, b = getattr(self, name), getattr(other, name)
+            merged[name] = _cat_padded(a, b, self._PADDED[name]) if name in self._PADDED else _cat_rows(name, a, b)
+        return replace(self, **merged)

@@ -1,0 +1,184 @@
+"""Hidden-state widths and dtypes, derived from configs alone.
+
+Every actor asks these functions what a tensor crossing it must look like, instead of
+reading a width off a weight (`fc.in_features`) or off the other side's config. Configs may
+be `transformers` config objects or plain dicts loaded from `config.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from spec.algorithm import SpecAlgorithm
+
+DEFAULT_NUM_AUX = 3
+
+
+class ShapeContractError(ValueError):
+    """Two parts of the system disagree about a tensor's shape or dtype, or a config pair is invalid."""
+
+
+def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    """Read a field from a transformers config object or a plain dict."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        value = cfg.get(key, default)
+    else:
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _eagle_get(draft_config: Any, key: str, default: Any = None) -> Any:
+    """EAGLE-3 fields live in `eagle_config` in published checkpoints, at top level in some."""
+    eagle_config = cfg_get(draft_config, "eagle_config")
+    value = cfg_get(eagle_config, key) if eagle_config is not None else None
+    if value is None:
+        value = cfg_get(draft_config, key)
+    return default if value is None else value
+
+
+@dataclass(frozen=True)
+class HiddenStateSpec:
+    """The width and dtype of a (rows, width) hidden-state tensor passed between actors."""
+
+    width: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.width, int) or isinstance(self.width, bool) or self.width <= 0:
+            raise ShapeContractError(f"HiddenStateSpec.width must be a positive int, got {self.width!r}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ShapeContractError(f"HiddenStateSpec.dtype must be a torch.dtype, got {self.dtype!r}")
+
+    def check(self, tensor: torch.Tensor | None, where: str) -> None:
+        """Raise ShapeContractError unless `tensor` is (rows, width) of this dtype."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ShapeContractError(
+                f"{where}: expected hidden states (rows, {self.width}) {self.dtype}, got {type(tensor).__name__}"
+            )
+        if tensor.dim() != 2 or tensor.shape[1] != self.width or tensor.dtype != self.dtype:
+            raise ShapeContractError(
+                f"{where}: expected hidden states of width {self.width} and dtype {self.dtype}, "
+                f"got shape {tuple(tensor.shape)} and dtype {tensor.dtype}"
+            )
+
+    def empty(self, num_rows: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+        """A (num_rows, width) zero tensor: the hidden states of an idle input."""
+        return torch.zeros((num_rows, self.width), dtype=self.dtype, device=device)
+
+
+def _num_aux(draft_config: Any) -> int:
+    explicit = _eagle_get(draft_config, "num_aux_hidden_states")
+    if explicit is not None:
+        return int(explicit)
+    ids = _eagle_get(draft_config, "eagle_aux_hidden_state_layer_ids")
+    return len(ids) if ids else DEFAULT_NUM_AUX
+
+
+def _uses_aux(draft_config: Any) -> bool:
+    return bool(_eagle_get(draft_config, "use_aux_hidden_state", True))
+
+
+def get_draft_input_from_target_hidden_dim(
+    algorithm: SpecAlgorithm, target_config: Any, draft_config: Any
+) -> int | None:
+    """Width of the target hidden states fed to the draft (None where none are fed)."""
+    algorithm = SpecAlgorithm.from_name(algorithm)
+    target_hidden = cfg_get(target_config, "hidden_size")
+    if algorithm is SpecAlgorithm.EAGLE3 and _uses_aux(draft_config):
+        width = cfg_get(draft_config, "target_hidden_size", target_hidden)
+        return int(width) * _num_aux(draft_config)
+    if algorithm.is_eagle:
+        return int(target_hidden)
+    return None
+
+
+def get_draft_input_hidden_state_spec(
+    algorithm: SpecAlgorithm, target_config: Any, draft_config: Any, dtype: torch.dtype
+) -> HiddenStateSpec | None:
+    """The spec of the target hidden rows in a `DraftExtendInput` (target side width)."""
+    width = get_draft_input_from_target_hidden_dim(algorithm, target_config, draft_config)
+    return None if width is None else HiddenStateSpec(width, dtype)
+
+
+def get_draft_recurrent_hidden_state_spec(
+    algorithm: SpecAlgorithm, target_config: Any, draft_config: Any, dtype: torch.dtype
+) -> HiddenStateSpec | None:
+    """The hidden state a draft carries from one step to the next (the draft's own width)."""
+    algorithm = SpecAlgorithm.from_name(algorithm)
+    if not algorithm.is_eagle:
+        return None
+    return HiddenStateSpec(int(cfg_get(draft_config, "hidden_size")), dtype)
+
+
+def get_target_aux_layer_ids(target_config: Any, draft_config: Any) -> list[int]:
+    """Target layers whose INPUT hidden state EAGLE-3 captures (index i = input of layer i).
+
+    Ids in a draft config name layer OUTPUTS (the EAGLE-3 reference convention), so id j
+    there means the input of layer j + 1 here.
+    """
+    ids = _eagle_get(draft_config, "eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return [int(i) + 1 for i in ids]
+    num_layers = int(cfg_get(target_config, "num_hidden_layers"))
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_config: Any) -> None:
+    """Check a target/draft config pair before any weights load; raise naming the bad field."""
+    algorithm = SpecAlgorithm.from_name(algorithm)
+    if not algorithm.needs_draft_model:
+        return
+    if draft_config is None:
+        raise ShapeContractError(f"draft_model: {algorithm.name} needs a draft model, none was given")
+    target_vocab = int(cfg_get(target_config, "vocab_size"))
+    target_hidden = int(cfg_get(target_config, "hidden_size"))
+    draft_vocab = int(cfg_get(draft_config, "vocab_size", target_vocab))
+    draft_hidden = int(cfg_get(draft_config, "hidden_size"))
+
+    if algorithm is SpecAlgorithm.STANDALONE:
+        if draft_vocab != target_vocab:
+            raise ShapeContractError(
+                f"vocab_size: STANDALONE draft has vocab_size {draft_vocab}, target has {target_vocab}; "
+                "they must share the vocabulary"
+            )
+        return
+
+    if algorithm is SpecAlgorithm.EAGLE:
+        if draft_hidden != target_hidden:
+            raise ShapeContractError(
+                f"hidden_size: EAGLE draft hidden_size {draft_hidden} differs from target hidden_size "
+                f"{target_hidden}; EAGLE shares the target's embeddings and LM head"
+            )
+        if draft_vocab != target_vocab:
+            raise ShapeContractError(
+                f"vocab_size: EAGLE draft vocab_size {draft_vocab} differs from target vocab_size {target_vocab}"
+            )
+        return
+
+    declared = cfg_get(draft_config, "target_hidden_size")
+    if declared is not None and int(declared) != target_hidden:
+        raise ShapeContractError(
+            f"target_hidden_size: EAGLE3 draft declares target_hidden_size {declared}, "
+            f"but the target's hidden_size is {target_hidden}"
+        )
+    reduced_vocab = int(cfg_get(draft_config, "draft_vocab_size", draft_vocab))
+    if reduced_vocab > target_vocab:
+        raise ShapeContractError(
+            f"draft_vocab_size: EAGLE3 draft_vocab_size {reduced_vocab} is larger than the target "
+            f"vocab_size {target_vocab}"
+        )
+    if _uses_aux(draft_config):
+        num_layers = int(cfg_get(target_config, "num_hidden_layers"))
+        layer_ids = get_target_aux_layer_ids(target_config, draft_config)
+        bad = [i - 1 for i in layer_ids if not 0 <= i < num_layers]
+        if bad or len(layer_ids) != _num_aux(draft_config):
+            raise ShapeContractError(
+                f"eagle_aux_hidden_state_layer_ids: {[i - 1 for i in layer_ids]} must be "
+                f"{_num_aux(draft_config)} (num_aux_hidden_states) layer-output ids in "
+                f"[-1, {num_layers - 2}] for a target with {num_layers} layers"
+            )

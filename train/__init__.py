@@ -1,0 +1,1 @@
+"""Draft training: EAGLE-3 self-distillation and standalone distillation."""
