@@ -79,7 +79,8 @@ def _num_aux(draft_config: Any) -> int:
     return len(ids) if ids else DEFAULT_NUM_AUX
 
 
-def _uses_aux(draft_config: Any) -> bool:
+def uses_aux_hidden_states(draft_config: Any) -> bool:
+    """EAGLE-3 drafts consume concatenated aux layers unless `use_aux_hidden_state` is false."""
     return bool(_eagle_get(draft_config, "use_aux_hidden_state", True))
 
 
@@ -89,7 +90,7 @@ def get_draft_input_from_target_hidden_dim(
     """Width of the target hidden states fed to the draft (None where none are fed)."""
     algorithm = SpecAlgorithm.from_name(algorithm)
     target_hidden = cfg_get(target_config, "hidden_size")
-    if algorithm is SpecAlgorithm.EAGLE3 and _uses_aux(draft_config):
+    if algorithm is SpecAlgorithm.EAGLE3 and uses_aux_hidden_states(draft_config):
         width = cfg_get(draft_config, "target_hidden_size", target_hidden)
         return int(width) * _num_aux(draft_config)
     if algorithm.is_eagle:
@@ -172,7 +173,7 @@ def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_confi
             f"draft_vocab_size: EAGLE3 draft_vocab_size {reduced_vocab} is larger than the target "
             f"vocab_size {target_vocab}"
         )
-    if _uses_aux(draft_config):
+    if uses_aux_hidden_states(draft_config):
         num_layers = int(cfg_get(target_config, "num_hidden_layers"))
         layer_ids = get_target_aux_layer_ids(target_config, draft_config)
         bad = [i - 1 for i in layer_ids if not 0 <= i < num_layers]

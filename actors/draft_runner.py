@@ -1,0 +1,232 @@
+"""Drafters: propose a tree of tokens per request, then catch up on what the target committed.
+
+    propose(meta, DraftInput) -> VerifyInput          (idle in a prefill step)
+    extend(meta, DraftExtendInput) -> DraftInput
+
+DraftRunner wraps a draft model (EAGLE, EAGLE3, STANDALONE) and its KV pool, indexed by
+the same slot ids as the target's. NgramDrafter (prompt lookup) and NoDrafter (NONE) have no
+model. Every drafter returns trees of exactly `tree_size` nodes so batches stay rectangular.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.device import parse_dtype, pick_device, set_threads
+from models.attention import AttentionMetadata
+from models.build import ModelSource, build_draft
+from spec.algorithm import SpecAlgorithm
+from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
+from spec.shapes import get_draft_input_hidden_state_spec, get_draft_recurrent_hidden_state_spec
+from spec.tree import ancestor_mask, chain_parents, depths
+
+
+def _last_rows(ext: DraftExtendInput) -> torch.Tensor:
+    """(B,) row of each request's last committed token."""
+    return ext.offsets + ext.extend_lens - 1
+
+
+def _verify_input(root: torch.Tensor, draft: torch.Tensor, parents: torch.Tensor, seq_lens: torch.Tensor) -> VerifyInput:
+    """root (B,), draft (B, N-1) tokens, parents (B, N) with -1 at the root -> VerifyInput."""
+    tokens = torch.cat([root.unsqueeze(1), draft], dim=1)  # (B, N)
+    return VerifyInput(
+        draft_tokens=tokens,
+        parents=parents,
+        positions=seq_lens.unsqueeze(1) + depths(parents),
+        tree_mask=ancestor_mask(parents),
+    )
+
+
+class _ModelFreeDrafter:
+    """Shared by NGRAM and NONE: nothing to extend, the next root is the bonus token."""
+
+    hidden_spec = None
+    input_spec = None
+
+    def __init__(self, tree_size: int):
+        self.tree_size = tree_size
+
+    def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
+        if ext.num_requests == 0:
+            return DraftInput.create_idle(None, 0)
+        last = _last_rows(ext)
+        empty = torch.zeros((ext.num_requests, 0))
+        return DraftInput(ext.next_tokens[last], None, empty, empty.long())
+
+    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
+        batch = draft_input.num_requests
+        if meta.is_prefill or batch == 0:
+            return VerifyInput.create_idle(self.tree_size)
+        draft = self._draft_tokens(meta, draft_input)  # (B, N-1)
+        return _verify_input(draft_input.verified_id, draft, chain_parents(batch, self.tree_size), meta.seq_lens)
+
+    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
+        return torch.zeros((draft_input.num_requests, self.tree_size - 1), dtype=torch.long)
+
+
+class NoDrafter(_ModelFreeDrafter):
+    """NONE: a one-node tree (the root), i.e. plain decoding through the same verify path."""
+
+    def __init__(self):
+        super().__init__(tree_size=1)
+
+
+class NgramDrafter(_ModelFreeDrafter):
+    """Prompt lookup: find the latest earlier occurrence of the request's last n tokens
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+
+    def __init__(self, num_steps: int, max_ngram: int = 3, min_ngram: int = 1):
+        super().__init__(tree_size=num_steps + 1)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
+        k = self.tree_size - 1
+        out = torch.zeros((draft_input.num_requests, k), dtype=torch.long)
+        for b, row in enumerate(meta.history.tolist()):
+            history = [t for t in row if t >= 0]
+            out[b] = torch.tensor(self.lookup(history, k))
+        return out
+
+    def lookup(self, history: list[int], k: int) -> list[int]:
+        """Up to k tokens continuing the longest recent n-gram match; padded by repeating the
+        last proposal (any padding is just a draft the target will verify)."""
+        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
+            suffix = history[-n:]
+            for start in range(len(history) - n - 1, -1, -1):
+                if history[start : start + n] == suffix:
+                    found = history[start + n : start + n + k]
+                    return found + [found[-1]] * (k - len(found))
+        return [history[-1]] * k if history else [0] * k
+
+
+class DraftRunner:
+    """Model-based drafts. EAGLE-family drafts pair the target hidden at position t with the
+    token at t + 1 (their KV entry for slot s of token t sees token t + 1); STANDALONE drafts
+    store token t at slot s like any LM and consume the root themselves when proposing."""
+
+    def __init__(
+        self,
+        algorithm: SpecAlgorithm | str,
+        draft_model: str,
+        target_model: str,
+        num_steps: int,
+        topk: int,
+        tree_size: int,
+        num_slots: int = 16384,
+        dtype: str | torch.dtype = "float32",
+        device: str = "auto",
+        num_threads: int | None = None,
+    ):
+        set_threads(num_threads)
+        self.algorithm = SpecAlgorithm.from_name(algorithm)
+        self.device = pick_device(device)
+        self.dtype = parse_dtype(dtype)
+        self.num_steps, self.topk, self.tree_size = num_steps, topk, tree_size
+        target, draft = ModelSource.resolve(target_model), ModelSource.resolve(draft_model)
+        self.model = build_draft(self.algorithm, draft, target, self.dtype, self.device)
+        self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
+        self.input_spec = get_draft_input_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
+        self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
+        self.shifted = self.algorithm.is_eagle
+
+    def _forward(self, tokens, hidden, positions, prefix, new_slots, from_target):
+        attn = AttentionMetadata.build(prefix, new_slots, positions, [None] * len(new_slots), self.device)
+        hidden = None if hidden is None else hidden.to(self.device)
+        return self.model.draft_forward(tokens.to(self.device), hidden, attn, self.kv, from_target)
+
+    @torch.inference_mode()
+    def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
+        """Write draft KV for the committed tokens; return the next DraftInput per request."""
+        topk_width = self.topk if self.shifted else 0
+        if ext.num_requests == 0:
+            return DraftInput.create_idle(self.hidden_spec, topk_width)
+        if self.input_spec is not None:
+            self.input_spec.check(ext.hidden_states, "draft.extend input")
+        lens = ext.extend_lens.tolist()
+        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())]
+        new_slots = list(torch.split(ext.slots, lens))
+        tokens = ext.next_tokens if self.shifted else ext.tokens
+        recurrent, head = self._forward(tokens, ext.hidden_states, ext.positions, prefix, new_slots, True)
+        last = _last_rows(ext)
+        verified = ext.next_tokens[last]
+        if not self.shifted:
+            empty = torch.zeros((ext.num_requests, 0))
+            return DraftInput(verified, None, empty, empty.long())
+        probs, ids = self.model.topk(head[last.to(self.device)], self.topk)
+        out = DraftInput(verified, recurrent[last.to(self.device)].cpu(), probs.cpu(), ids.cpu())
+        self.hidden_spec.check(out.hidden_states, "draft.extend output")
+        return out
+
+    @torch.inference_mode()
+    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
+        """EAGLE-2 style dynamic tree: expand the `topk` best beams for `num_steps` levels,
+        then keep the `tree_size - 1` candidates with the highest path probability."""
+        batch, k = draft_input.num_requests, self.topk
+        if meta.is_prefill or batch == 0:
+            return VerifyInput.create_idle(self.tree_size)
+        if self.hidden_spec is not None:
+            self.hidden_spec.check(draft_input.hidden_states, "draft.propose input")
+        seq_lens = meta.seq_lens
+        committed = [meta.kv_slots[b, :s] for b, s in enumerate(seq_lens.tolist())]
+        scratch = meta.scratch_slots
+        used = 0
+        lineage = torch.zeros((batch, 0), dtype=torch.long)  # (B, depth) scratch slots of a beam's ancestors
+        if draft_input.topk_index.shape[1] == 0:
+            # STANDALONE: the root is not in the draft's KV yet; consume it to get the first top-k.
+            _, head = self._forward(draft_input.verified_id, None, seq_lens, committed, list(scratch[:, :1]), False)
+            scores, tokens = (t.cpu() for t in self.model.topk(head, k))
+            lineage, used, hidden = scratch[:, :1], 1, None
+        else:
+            scores, tokens, hidden = draft_input.topk_p, draft_input.topk_index, draft_input.hidden_states
+        # The candidate pool, in creation order so that parents precede children.
+        pool_scores, pool_tokens = [scores], [tokens]
+        pool_parents = [torch.full((batch, k), -1, dtype=torch.long)]
+        beam_pool = torch.arange(k).expand(batch, k)  # (B, K) pool index of each beam
+        beam_scores, beam_tokens = scores, tokens
+        beam_lineage = lineage.unsqueeze(1).expand(batch, k, lineage.shape[1])  # (B, K, d)
+        beam_hidden = None if hidden is None else hidden.unsqueeze(1).expand(batch, k, hidden.shape[1])
+        pool_size = k
+        for depth in range(1, self.num_steps):
+            slots = scratch[:, used : used + k]  # (B, K)
+            used += k
+            # EAGLE pairs the depth-d token with its parent's hidden at position L + d - 1.
+            positions = (seq_lens + depth - (1 if self.shifted else 0)).repeat_interleave(k)
+            prefix = [torch.cat([committed[b], beam_lineage[b, j]]) for b in range(batch) for j in range(k)]
+            recurrent, head = self._forward(
+                beam_tokens.reshape(-1), None if beam_hidden is None else beam_hidden.reshape(batch * k, -1),
+                positions, prefix, list(slots.reshape(-1, 1)), False,
+            )
+            probs, ids = (t.cpu() for t in self.model.topk(head, k))  # (B*K, K)
+            cand_scores = (beam_scores.unsqueeze(2) * probs.view(batch, k, k)).reshape(batch, k * k)
+            cand_tokens = ids.view(batch, k * k)
+            pool_scores.append(cand_scores)
+            pool_tokens.append(cand_tokens)
+            pool_parents.append(beam_pool.unsqueeze(2).expand(batch, k, k).reshape(batch, k * k))
+            best = cand_scores.topk(k, dim=1).indices  # (B, K)
+            parent_beam = best // k
+            beam_pool = pool_size + best
+            pool_size += k * k
+            beam_scores, beam_tokens = cand_scores.gather(1, best), cand_tokens.gather(1, best)
+            beam_lineage = torch.cat(
+                [beam_lineage.gather(1, parent_beam.unsqueeze(2).expand(-1, -1, beam_lineage.shape[2])),
+                 slots.gather(1, parent_beam).unsqueeze(2)], dim=2,
+            )
+            if recurrent is not None:
+                rec = recurrent.cpu().view(batch, k, -1)
+                beam_hidden = rec.gather(1, parent_beam.unsqueeze(2).expand(-1, -1, rec.shape[2]))
+        return self._select_tree(draft_input.verified_id, seq_lens, torch.cat(pool_scores, 1),
+                                 torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1))
+
+    def _select_tree(self, root, seq_lens, scores, tokens, parents) -> VerifyInput:
+        """Keep the tree_size - 1 best candidates. A child's score never exceeds its parent's
+        and a stable sort breaks ties by pool order, so the kept set contains every kept
+        node's parent."""
+        batch = root.shape[0]
+        order = torch.sort(-scores, dim=1, stable=True).indices[:, : self.tree_size - 1]
+        kept = order.sort(dim=1).values  # (B, N-1) pool indices, parents first
+        node_of_pool = torch.zeros_like(scores, dtype=torch.long)
+        node_of_pool.scatter_(1, kept, torch.arange(1, self.tree_size).expand(batch, -1))
+        pool_parent = parents.gather(1, kept)
+        node_parent = torch.where(pool_parent >= 0, node_of_pool.gather(1, pool_parent.clamp_min(0)), 0)
+        tree_parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long), node_parent], dim=1)
+        return _verify_input(root, tokens.gather(1, kept), tree_parents, seq_lens)

@@ -1,0 +1,129 @@
+"""One request's state: tokens, KV slots, incremental detokenization and stop rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from spec.sampling import SamplingParams
+
+
+class IncrementalDetokenizer:
+    """Emits text as tokens arrive, never half a UTF-8 character: text is released only
+    once the decoded tail no longer ends in U+FFFD (an incomplete byte sequence)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token: int, final: bool = False) -> str:
+        self.tokens.append(token)
+        return self.flush() if final else self._advance(allow_partial=False)
+
+    def flush(self) -> str:
+        return self._advance(allow_partial=True)
+
+    def _advance(self, allow_partial: bool) -> str:
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not allow_partial):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+        return new_text[len(prefix_text) :]
+
+
+@dataclass
+class RequestOutput:
+    """The result (or the progress so far) of one request."""
+
+    request_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" | None while running
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_verify_steps: int
+    accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_output_tokens / max(1, self.num_verify_steps)
+
+
+class Request:
+    def __init__(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int,
+                 detokenizer: IncrementalDetokenizer, eos_ids: set[int], max_model_len: int):
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.seed = seed
+        self.detok = detokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.output_ids: list[int] = []
+        self.slots: list[int] = []  # committed KV slots, one per token in the KV cache
+        self.text = ""  # full text so far (stop strings already cut)
+        self.emitted = 0  # chars of `text` handed out as stream deltas
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.num_verify_steps = 0
+        self.accept_lens: list[int] = []
+        self.reserved = 0  # KV slots reserved for this request's lifetime
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.slots)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return min(self.params.max_tokens, self.max_model_len - len(self.prompt_ids))
+
+    def append_tokens(self, tokens: list[int]) -> None:
+        """Append verified tokens one by one, stopping at EOS, a stop string, max_tokens or
+        the context length; tokens after the stop are dropped."""
+        stops = self.params.stop
+        for token in tokens:
+            self.output_ids.append(token)
+            is_eos = token in self.eos_ids and not self.params.ignore_eos
+            at_limit = len(self.output_ids) >= self.max_new_tokens
+            before = len(self.text)
+            self.text += self.detok.add(token, final=is_eos or at_limit)
+            if stops:
+                window = self.text[max(0, before - max(map(len, stops)) + 1) :]
+                hits = [window.find(s) for s in stops if s in window]
+                if hits:
+                    self.text = self.text[: len(self.text) - len(window) + min(hits)]
+                    self.finish_reason = "stop"
+                    return
+            if is_eos:
+                self.finish_reason = "stop"
+                return
+            if at_limit:
+                self.finish_reason = "length"
+                return
+
+    def take_delta(self) -> str:
+        """New text since the last call; holds back a possible stop-string prefix until the
+        request finishes, so streamed text never shows part of a stop string."""
+        hold = 0 if self.finish_reason or not self.params.stop else max(map(len, self.params.stop)) - 1
+        end = max(self.emitted, len(self.text) - hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.rid, token_ids=list(self.output_ids), text=self.text,
+            finish_reason=self.finish_reason, num_prompt_tokens=len(self.prompt_ids),
+            num_output_tokens=len(self.output_ids), num_verify_steps=self.num_verify_steps,
+            accept_lens=list(self.accept_lens), error=self.error,
+        )

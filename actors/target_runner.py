@@ -1,0 +1,118 @@
+"""TargetRunner: owns the target model and its KV pool; runs prefill and verification.
+
+Acceptance happens here so logits never leave this process: it returns only committed
+tokens, accept lengths and the hidden rows the draft needs (a DraftExtendInput).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from actors.device import parse_dtype, pick_device, set_threads
+from models.attention import AttentionMetadata
+from models.build import ModelSource, build_target
+from spec.algorithm import SpecAlgorithm
+from spec.batch import BatchMeta, DraftExtendInput, VerifyInput
+from spec.sampling import accept_tree, choose_tokens
+from spec.shapes import get_draft_input_hidden_state_spec, get_target_aux_layer_ids, uses_aux_hidden_states
+
+
+class TargetRunner:
+    def __init__(
+        self,
+        model: str,
+        algorithm: SpecAlgorithm | str | None = None,
+        draft_model: str | None = None,
+        num_slots: int = 16384,
+        dtype: str | torch.dtype = "float32",
+        device: str = "auto",
+        num_threads: int | None = None,
+    ):
+        set_threads(num_threads)
+        self.algorithm = SpecAlgorithm.from_name(algorithm)
+        self.device = pick_device(device)
+        self.dtype = parse_dtype(dtype)
+        self.source = ModelSource.resolve(model)
+        draft_config = ModelSource.resolve(draft_model).config if draft_model else None
+        self.model = build_target(self.source, self.dtype, self.device)
+        self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
+        # What the draft consumes: EAGLE3 the concatenated inputs of the aux layers, EAGLE the
+        # final hidden state; others nothing. The width is the spec's, checked on the way out.
+        self.out_spec = get_draft_input_hidden_state_spec(self.algorithm, self.source.config, draft_config, self.dtype)
+        use_aux = self.algorithm is SpecAlgorithm.EAGLE3 and uses_aux_hidden_states(draft_config)
+        self.aux_layer_ids = get_target_aux_layer_ids(self.source.config, draft_config) if use_aux else None
+
+    @torch.inference_mode()
+    def forward_step(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
+        """One target pass: prefill the step's new requests, or verify the running ones' trees."""
+        if meta.num_requests == 0:
+            return DraftExtendInput.create_idle(self.out_spec)
+        if meta.is_prefill:
+            return self.prefill(meta)
+        return self.verify(meta, verify)
+
+    def _run(self, tokens, positions, prefix, new_slots, masks):
+        attn = AttentionMetadata.build(prefix, new_slots, positions, masks, self.device)
+        hidden, aux = self.model(tokens.to(self.device), attn, self.kv, self.aux_layer_ids)
+        return hidden, aux
+
+    def _draft_rows(self, hidden, aux, rows):
+        if self.out_spec is None:
+            return None
+        out = (aux if aux is not None else hidden)[rows].cpu()
+        self.out_spec.check(out, "target -> draft hidden states")
+        return out
+
+    def prefill(self, meta: BatchMeta) -> DraftExtendInput:
+        lens = meta.prefill_lens.tolist()
+        starts = meta.seq_lens.tolist()
+        tokens = torch.cat([meta.prefill_tokens[b, :n] for b, n in enumerate(lens)])  # (T,)
+        slots = [meta.prefill_slots[b, :n] for b, n in enumerate(lens)]
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(starts)]
+        hidden, aux = self._run(tokens, positions, prefix, slots, [None] * len(lens))
+        last = torch.tensor(lens).cumsum(0) - 1  # (B,) last row of each request
+        logits = self.model.logits(hidden[last.to(self.device)]).cpu()
+        sampled = choose_tokens(logits, meta.temperature, meta.top_p, meta.top_k, meta.seeds,
+                                meta.seq_lens + meta.prefill_lens)
+        chosen = torch.where(meta.next_token >= 0, meta.next_token, sampled)
+        next_tokens = tokens.clone()
+        next_tokens[:-1] = tokens[1:]
+        next_tokens[last] = chosen
+        return DraftExtendInput(
+            tokens=tokens, next_tokens=next_tokens, positions=positions, slots=torch.cat(slots),
+            hidden_states=self._draft_rows(hidden, aux, torch.arange(tokens.numel(), device=self.device)),
+            extend_lens=meta.prefill_lens.clone(), accept_lens=torch.zeros(len(lens), dtype=torch.long),
+        )
+
+    def verify(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
+        batch, n = verify.draft_tokens.shape
+        seq_lens = meta.seq_lens.tolist()
+        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(seq_lens)]
+        slots = meta.verify_slots[:, :n]
+        hidden, aux = self._run(
+            verify.draft_tokens.reshape(-1), verify.positions.reshape(-1), prefix,
+            list(slots), list(verify.tree_mask),
+        )
+        logits = self.model.logits(hidden).cpu()  # (B * N, V): every node needs the target's choice
+        per_row = lambda x: x.repeat_interleave(n)  # noqa: E731
+        target_tokens = choose_tokens(
+            logits, per_row(meta.temperature), per_row(meta.top_p), per_row(meta.top_k), per_row(meta.seeds),
+            verify.positions.reshape(-1) + 1,
+        ).view(batch, n)
+        rows, next_tokens, accept_lens = [], [], []
+        for b in range(batch):
+            path, bonus = accept_tree(verify.draft_tokens[b].tolist(), verify.parents[b].tolist(), target_tokens[b].tolist())
+            rows.extend(b * n + node for node in path)
+            next_tokens.extend(verify.draft_tokens[b, path[1:]].tolist() + [bonus])
+            accept_lens.append(len(path) - 1)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        return DraftExtendInput(
+            tokens=verify.draft_tokens.reshape(-1)[rows_t],
+            next_tokens=torch.tensor(next_tokens, dtype=torch.long),
+            positions=verify.positions.reshape(-1)[rows_t],
+            slots=slots.reshape(-1)[rows_t],
+            hidden_states=self._draft_rows(hidden, aux, rows_t.to(self.device)),
+            extend_lens=torch.tensor(accept_lens, dtype=torch.long) + 1,
+            accept_lens=torch.tensor(accept_lens, dtype=torch.long),
+        )

@@ -1,0 +1,77 @@
+"""EngineConfig: every engine default in one place, validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from models.registry import DEFAULT_MODEL
+from spec.algorithm import SpecAlgorithm
+
+BACKENDS = ("local", "ray")
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    speculative_algorithm: str | SpecAlgorithm | None = None
+    draft_model: str | None = None
+    num_steps: int = 3  # draft depth
+    eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting
+    num_draft_tokens: int = 4  # tree nodes verified per step, root included (chains use num_steps + 1)
+    dp_size: int = 1
+    backend: str = "local"
+    dtype: str = "float32"
+    device: str = "auto"
+    num_threads: int | None = None
+    kv_slots: int = 16384  # token slots in the KV pool of each rank
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 4096
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        self.algorithm = SpecAlgorithm.from_name(self.speculative_algorithm)
+        for name in ("num_steps", "eagle_topk", "dp_size", "kv_slots", "max_running_requests", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.algorithm.needs_draft_model and not self.draft_model:
+            raise ValueError(f"draft_model: {self.algorithm.name} needs a draft model (registry name, folder or .gguf)")
+        if not self.algorithm.needs_draft_model and self.draft_model:
+            raise ValueError(f"draft_model: not used by speculative_algorithm {self.algorithm.name}")
+        if self.algorithm is SpecAlgorithm.NGRAM and self.eagle_topk != 1:
+            raise ValueError("eagle_topk: NGRAM drafts chains only (eagle_topk=1)")
+        if self.eagle_topk > 1:
+            most = 1 + self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
+            if not 2 <= self.num_draft_tokens <= most:
+                raise ValueError(
+                    f"num_draft_tokens must be in [2, {most}] for num_steps={self.num_steps}, "
+                    f"eagle_topk={self.eagle_topk}, got {self.num_draft_tokens}"
+                )
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.dp_size > 1 and self.backend != "ray":
+            raise ValueError("dp_size: data parallelism needs backend='ray'")
+
+    @property
+    def tree_size(self) -> int:
+        """Nodes verified per request and step, the root (last verified token) included."""
+        if self.algorithm is SpecAlgorithm.NONE:
+            return 1
+        if self.eagle_topk == 1:
+            return self.num_steps + 1
+        return self.num_draft_tokens
+
+    @property
+    def scratch_size(self) -> int:
+        """Draft KV slots written while proposing: one per expanded beam, plus the root for STANDALONE."""
+        if not self.algorithm.needs_draft_model:
+            return 0
+        beams = (self.num_steps - 1) * self.eagle_topk
+        return beams + (1 if self.algorithm is SpecAlgorithm.STANDALONE else 0)
+
+    @property
+    def topk_width(self) -> int:
+        """Columns of DraftInput.topk_*: EAGLE drafts have already scored the next token."""
+        return self.eagle_topk if self.algorithm.is_eagle else 0

@@ -1,0 +1,161 @@
+"""The offline engine: tokenization, chat templates, and driving the scheduler."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from actors.draft_runner import DraftRunner, NgramDrafter, NoDrafter
+from actors.request import RequestOutput
+from actors.scheduler import Scheduler, SchedulerConfig
+from actors.target_runner import TargetRunner
+from actors.device import parse_dtype
+from graphs.config import EngineConfig
+from models.build import ModelSource, check_draft_kind, load_tokenizer
+from spec.algorithm import SpecAlgorithm
+from spec.batch import BatchMeta, DraftExtendInput, DraftInput
+from spec.sampling import SamplingParams
+from spec.shapes import cfg_get, get_draft_recurrent_hidden_state_spec, validate_spec_pair
+
+Prompt = str | Sequence[int]
+Messages = list[dict[str, Any]]
+
+
+class LocalExecutor:
+    """Runs the three phases of a step by direct calls in this process."""
+
+    def __init__(self, target: TargetRunner, drafter):
+        self.target, self.drafter = target, drafter
+
+    def execute(self, meta: BatchMeta, draft_input: DraftInput) -> tuple[DraftExtendInput, DraftInput]:
+        verify = self.drafter.propose(meta, draft_input)
+        ext = self.target.forward_step(meta, verify)
+        return ext, self.drafter.extend(meta, ext)
+
+
+def resolve_sources(config: EngineConfig) -> tuple[ModelSource, ModelSource | None]:
+    """Resolve and validate the target/draft pair from configs alone, before weights load."""
+    target = ModelSource.resolve(config.model)
+    draft = ModelSource.resolve(config.draft_model) if config.draft_model else None
+    validate_spec_pair(config.algorithm, target.config, None if draft is None else draft.config)
+    if draft is not None:
+        check_draft_kind(config.algorithm, draft)
+    return target, draft
+
+
+def make_drafter(config: EngineConfig, **runner_kwargs):
+    if config.algorithm is SpecAlgorithm.NONE:
+        return NoDrafter()
+    if config.algorithm is SpecAlgorithm.NGRAM:
+        return NgramDrafter(config.num_steps)
+    return DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
+                       config.eagle_topk, config.tree_size, **runner_kwargs)
+
+
+def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSource | None) -> SchedulerConfig:
+    context = int(cfg_get(target.config, "max_position_embeddings", 4096))
+    return SchedulerConfig(
+        algorithm=config.algorithm,
+        tree_size=config.tree_size,
+        scratch_size=config.scratch_size,
+        topk_width=config.topk_width,
+        hidden_spec=get_draft_recurrent_hidden_state_spec(
+            config.algorithm, target.config, None if draft is None else draft.config, parse_dtype(config.dtype)),
+        kv_slots=config.kv_slots,
+        max_running_requests=config.max_running_requests,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_model_len=min(context, config.max_model_len or context),
+    )
+
+
+def eos_token_ids(target: ModelSource, tokenizer) -> set[int]:
+    ids = cfg_get(target.config, "eos_token_id", [])
+    ids = set(ids if isinstance(ids, list) else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class Engine:
+    """generate / chat / stream over a scheduler and a step executor."""
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, tokenizer, on_shutdown=None):
+        self.config = config
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._on_shutdown = on_shutdown
+
+    # ---- prompts --------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt | Messages) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if prompt and isinstance(prompt[0], dict):
+            return self.encode_chat(prompt)  # type: ignore[arg-type]
+        return [int(t) for t in prompt]
+
+    def encode_chat(self, messages: Messages) -> list[int]:
+        if not messages:
+            raise ValueError("messages: must contain at least one message")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---- generation -----------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        rids = [self.scheduler.add_request(self.encode(p), params) for p in prompts]
+        return self._run_to_completion(rids)
+
+    def chat(self, conversations: Sequence[Messages], params: SamplingParams | None = None) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        rids = [self.scheduler.add_request(self.encode_chat(c), params) for c in conversations]
+        return self._run_to_completion(rids)
+
+    def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas as steps complete (other queued requests progress meanwhile)."""
+        rid = self.scheduler.add_request(self.encode(prompt), params or SamplingParams())
+        request = self.scheduler.find(rid)
+        try:
+            while request.finish_reason is None:
+                self.scheduler.step()
+                delta = request.take_delta()
+                if delta:
+                    yield delta
+            tail = request.take_delta()
+            if tail:
+                yield tail
+        finally:
+            if request.finish_reason is None:
+                self.scheduler.abort(rid)
+
+    def _run_to_completion(self, rids: list[int]) -> list[RequestOutput]:
+        requests = [self.scheduler.find(rid) for rid in rids]
+        while any(r.finish_reason is None for r in requests):
+            self.scheduler.step()
+        return [r.output() for r in requests]
+
+    def shutdown(self) -> None:
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None
+
+
+def build_local(config: EngineConfig) -> Engine:
+    target, draft = resolve_sources(config)
+    runner_kwargs = dict(num_slots=config.kv_slots, dtype=config.dtype, device=config.device,
+                         num_threads=config.num_threads)
+    target_runner = TargetRunner(config.model, config.algorithm, config.draft_model, **runner_kwargs)
+    drafter = make_drafter(config, **runner_kwargs)
+    tokenizer = load_tokenizer(target.folder)
+    scheduler = Scheduler(scheduler_config(config, target, draft), LocalExecutor(target_runner, drafter),
+                          tokenizer, eos_token_ids(target, tokenizer))
+    return Engine(config, scheduler, tokenizer)
+
+
+def build_graph(config: EngineConfig) -> Engine:
+    """Build an engine for `config` (backend "local": one process; "ray": actors and a compiled graph)."""
+    if config.backend == "local":
+        return build_local(config)
+    from graphs.ray_graph import build_ray
+
+    return build_ray(config)

@@ -1,0 +1,111 @@
+"""Ragged attention over a token-slot KV pool.
+
+Each layer owns one K and one V tensor of shape (num_slots, kv_heads, head_dim); the
+scheduler hands out slot ids. A forward pass carries, per request, the slots of its
+committed context (prefix) and of its new tokens, plus a mask among the new tokens
+(causal for prefill, a tree mask for verify). Linear layers run on the flat (T, H) token
+rows; only attention pads requests to (B, Q, K), with one metadata object shared by every
+layer of the pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Index tensors for one forward pass, built once and shared by every layer.
+
+    positions: (T,)        absolute position of each new token (RoPE)
+    out_slots: (T,)        slot each new token's K/V is written to
+    kv_index:  (B, K)      slots each request attends to (prefix then new), padded with 0
+    mask:      (B, 1, Q, K) bool, True where query q of request b may attend key k
+    q_index:   (B, Q)      flat row of each padded query (padding points at row T, a zero row)
+    valid_q:   (B, Q)      bool, False on padding
+    """
+
+    positions: torch.Tensor
+    out_slots: torch.Tensor
+    kv_index: torch.Tensor
+    mask: torch.Tensor
+    q_index: torch.Tensor
+    valid_q: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        prefix_slots: list[torch.Tensor],
+        new_slots: list[torch.Tensor],
+        positions: torch.Tensor,
+        new_masks: list[torch.Tensor | None],
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """prefix_slots[b]: (P_b,) committed slots; new_slots[b]: (n_b,) slots of its new tokens
+        (flat order = requests in order); new_masks[b]: (n_b, n_b) bool or None for causal."""
+        batch = len(new_slots)
+        new_lens = [int(s.numel()) for s in new_slots]
+        max_q = max(new_lens, default=0)
+        max_k = max((int(p.numel()) + n for p, n in zip(prefix_slots, new_lens)), default=0)
+        kv_index = torch.zeros((batch, max_k), dtype=torch.long)
+        mask = torch.zeros((batch, max_q, max_k), dtype=torch.bool)
+        total = sum(new_lens)
+        q_index = torch.full((batch, max_q), total, dtype=torch.long)
+        start = 0
+        for b, (prefix, slots, new_mask) in enumerate(zip(prefix_slots, new_slots, new_masks)):
+            p, n = int(prefix.numel()), new_lens[b]
+            kv_index[b, :p] = prefix
+            kv_index[b, p : p + n] = slots
+            mask[b, :n, :p] = True
+            mask[b, :n, p : p + n] = torch.ones(n, n, dtype=torch.bool).tril() if new_mask is None else new_mask
+            q_index[b, :n] = torch.arange(start, start + n)
+            start += n
+        valid_q = q_index < total
+        # Padded query rows attend to one key so softmax stays finite; their output is dropped.
+        mask[..., 0] |= ~valid_q
+        return cls(
+            positions=positions.to(device),
+            out_slots=torch.cat(new_slots).to(device) if new_slots else torch.zeros(0, dtype=torch.long, device=device),
+            kv_index=kv_index.to(device),
+            mask=mask.unsqueeze(1).to(device),
+            q_index=q_index.to(device),
+            valid_q=valid_q.to(device),
+        )
+
+
+class KVPool:
+    """Per-layer K/V tensors indexed by slot ids: (num_slots, kv_heads, head_dim) each."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+        shape = (num_slots, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> (T, Hq, D).
+
+    Writes the new K/V into their slots, then attends over each request's gathered slots.
+    """
+    k_cache[meta.out_slots] = k
+    v_cache[meta.out_slots] = v
+    num_tokens, heads, dim = q.shape
+    q_pad = torch.cat([q, q.new_zeros(1, heads, dim)])[meta.q_index]  # (B, Q, Hq, D)
+    keys = k_cache[meta.kv_index]  # (B, K, Hkv, D)
+    values = v_cache[meta.kv_index]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=meta.mask, scale=scale, enable_gqa=True,
+    )  # (B, Hq, Q, D)
+    return out.transpose(1, 2)[meta.valid_q]  # (T, Hq, D)

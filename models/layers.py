@@ -1,0 +1,91 @@
+"""Building blocks of Llama-family decoders (Llama, Qwen2, Mistral, SmolLM2), named like the
+Hugging Face modules so checkpoints load by name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.attention import AttentionMetadata, paged_attention
+from models.config import DecoderShape
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the reference implementation, then cast back.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for explicit positions; inv_freq comes from transformers' RoPE rules (any scaling)."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # (T, D/2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D); cos/sin (T, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the KV pool. `input_width` is 2H for the EAGLE-3 midlayer."""
+
+    def __init__(self, shape: DecoderShape, input_width: int | None = None):
+        super().__init__()
+        width = input_width or shape.hidden_size
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=shape.attention_bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=shape.attention_bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=shape.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, shape.hidden_size, bias=shape.o_bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, shape: DecoderShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: DecoderShape):
+        super().__init__()
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.self_attn = Attention(shape)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.mlp = MLP(shape)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))

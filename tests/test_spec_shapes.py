@@ -1,0 +1,307 @@
+"""Contracts of spec/shapes.py and spec/algorithm.py: widths from configs, spec checks, pair validation.
+
+No Ray, no weights: configs are plain dicts (as loaded from config.json) or transformers
+`LlamaConfig` objects, and every width-dependent test runs against both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from spec import (
+    HiddenStateSpec,
+    ShapeContractError,
+    SpecAlgorithm,
+    get_draft_input_from_target_hidden_dim,
+    get_draft_recurrent_hidden_state_spec,
+    get_target_aux_layer_ids,
+    validate_spec_pair,
+)
+from spec.shapes import get_draft_input_hidden_state_spec
+
+CONFIG_KINDS = ["dict", "llama"]
+
+
+def make_config(kind: str, fields: dict | None):
+    """A config with exactly `fields` set: a plain dict or a transformers LlamaConfig."""
+    if fields is None:
+        return None
+    if kind == "dict":
+        return dict(fields)
+    # LlamaConfig needs a head count; 4 divides every hidden size used here.
+    return LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **fields)
+
+
+def target_fields(hidden: int = 576, layers: int = 30, vocab: int = 49152) -> dict:
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab}
+
+
+def draft_fields(hidden: int, vocab: int = 49152, **extra) -> dict:
+    return {"hidden_size": hidden, "num_hidden_layers": 1, "vocab_size": vocab, **extra}
+
+
+# --------------------------------------------------------------------------- SpecAlgorithm
+
+
+@pytest.mark.parametrize("algorithm", list(SpecAlgorithm))
+def test_from_name_is_case_insensitive(algorithm):
+    name = algorithm.name
+    for spelling in (name, name.lower(), name.capitalize(), name.swapcase(), f"  {name.lower()} "):
+        assert SpecAlgorithm.from_name(spelling) is algorithm
+    assert SpecAlgorithm.from_name(algorithm) is algorithm
+
+
+def test_from_name_none_means_no_speculation():
+    assert SpecAlgorithm.from_name(None) is SpecAlgorithm.NONE
+
+
+@pytest.mark.parametrize("bad", ["eagle2", "", "medusa", "EAGLE-3"])
+def test_from_name_unknown_lists_every_valid_name(bad):
+    with pytest.raises(ValueError) as info:
+        SpecAlgorithm.from_name(bad)
+    message = str(info.value)
+    assert repr(bad) in message
+    for algorithm in SpecAlgorithm:
+        assert algorithm.name in message
+
+
+def test_from_name_rejects_non_strings():
+    with pytest.raises(ValueError, match="string"):
+        SpecAlgorithm.from_name(3)
+
+
+def test_algorithm_properties():
+    eagle = {SpecAlgorithm.EAGLE, SpecAlgorithm.EAGLE3}
+    needs_draft = eagle | {SpecAlgorithm.STANDALONE}
+    for algorithm in SpecAlgorithm:
+        assert algorithm.is_eagle == (algorithm in eagle)
+        assert algorithm.needs_draft_model == (algorithm in needs_draft)
+        assert algorithm.has_draft_kv == (algorithm in needs_draft)
+
+
+# --------------------------------------------------------------------------- widths table
+
+# (id, algorithm, target fields, draft fields or None, input-from-target width, recurrent width)
+WIDTH_CASES = [
+    ("eagle3-smollm", SpecAlgorithm.EAGLE3, target_fields(576),
+     draft_fields(256, target_hidden_size=576, draft_vocab_size=8192), 3 * 576, 256),
+    ("eagle3-target-hidden-from-target", SpecAlgorithm.EAGLE3, target_fields(576),
+     draft_fields(256), 3 * 576, 256),
+    ("eagle3-wide-4-aux", SpecAlgorithm.EAGLE3, target_fields(8192, layers=80, vocab=128256),
+     draft_fields(4096, vocab=128256, target_hidden_size=8192, num_aux_hidden_states=4), 32768, 4096),
+    ("eagle3-num-aux-in-eagle-config", SpecAlgorithm.EAGLE3, target_fields(576),
+     draft_fields(256, eagle_config={"num_aux_hidden_states": 2}), 2 * 576, 256),
+    ("eagle3-no-aux", SpecAlgorithm.EAGLE3, target_fields(576),
+     draft_fields(256, target_hidden_size=576, eagle_config={"use_aux_hidden_state": False}), 576, 256),
+    ("eagle3-2-ids-in-eagle-config", SpecAlgorithm.EAGLE3, target_fields(576),
+     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 20]}), 2 * 576, 256),
+    ("eagle3-4-ids-top-level", SpecAlgorithm.EAGLE3, target_fields(576),
+     draft_fields(256, eagle_aux_hidden_state_layer_ids=[1, 9, 18, 26]), 4 * 576, 256),
+    # Not a valid EAGLE pair (validate_spec_pair rejects it); the widths still come from
+    # their own side: input from the target, recurrent from the draft.
+    ("eagle-differing", SpecAlgorithm.EAGLE, target_fields(576), draft_fields(256), 576, 256),
+    ("eagle-same", SpecAlgorithm.EAGLE, target_fields(576), draft_fields(576), 576, 576),
+    ("standalone", SpecAlgorithm.STANDALONE, target_fields(576), draft_fields(128), None, None),
+    ("ngram", SpecAlgorithm.NGRAM, target_fields(576), None, None, None),
+    ("none", SpecAlgorithm.NONE, target_fields(576), None, None, None),
+]
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize(
+    "algorithm,target,draft,input_width,recurrent_width",
+    [case[1:] for case in WIDTH_CASES],
+    ids=[case[0] for case in WIDTH_CASES],
+)
+def test_widths_from_configs(kind, algorithm, target, draft, input_width, recurrent_width):
+    target_cfg, draft_cfg = make_config(kind, target), make_config(kind, draft)
+
+    assert get_draft_input_from_target_hidden_dim(algorithm, target_cfg, draft_cfg) == input_width
+
+    recurrent = get_draft_recurrent_hidden_state_spec(algorithm, target_cfg, draft_cfg, torch.bfloat16)
+    input_spec = get_draft_input_hidden_state_spec(algorithm, target_cfg, draft_cfg, torch.bfloat16)
+    if recurrent_width is None:
+        assert recurrent is None
+    else:
+        assert recurrent == HiddenStateSpec(recurrent_width, torch.bfloat16)
+    if input_width is None:
+        assert input_spec is None
+    else:
+        assert input_spec == HiddenStateSpec(input_width, torch.bfloat16)
+
+    # Names work as well as enum members.
+    assert get_draft_input_from_target_hidden_dim(algorithm.name.lower(), target_cfg, draft_cfg) == input_width
+
+
+# --------------------------------------------------------------------------- aux layer ids
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize("layers,expected", [(30, [2, 15, 27]), (32, [2, 16, 29]), (80, [2, 40, 77])])
+def test_aux_layer_ids_default(kind, layers, expected):
+    target = make_config(kind, target_fields(576, layers=layers))
+    assert get_target_aux_layer_ids(target, make_config(kind, draft_fields(256))) == expected
+    assert get_target_aux_layer_ids(target, None) == expected
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize(
+    "draft_extra",
+    [
+        {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}},
+        # eagle_config wins over the top level
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+         "eagle_aux_hidden_state_layer_ids": [5, 6, 7]},
+    ],
+    ids=["top-level", "eagle_config", "eagle_config-wins"],
+)
+def test_aux_layer_ids_from_draft_config_are_shifted_by_one(kind, draft_extra):
+    target = make_config(kind, target_fields(576, layers=30))
+    draft = make_config(kind, draft_fields(256, **draft_extra))
+    # Draft config ids name layer OUTPUTS: output of layer j is the input of layer j + 1.
+    assert get_target_aux_layer_ids(target, draft) == [2, 15, 27]
+
+
+def test_aux_layer_id_minus_one_is_the_embedding_output():
+    target = target_fields(576, layers=30)
+    assert get_target_aux_layer_ids(target, {"eagle_aux_hidden_state_layer_ids": [-1, 0, 28]}) == [0, 1, 29]
+
+
+# --------------------------------------------------------------------------- HiddenStateSpec
+
+WHERE = "draft.extend: hidden_states from target rank 3"
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7])
+def test_check_accepts_right_tensors(rows):
+    spec = HiddenStateSpec(256, torch.bfloat16)
+    spec.check(torch.zeros(rows, 256, dtype=torch.bfloat16), WHERE)  # (rows, 256) bf16
+
+
+def _check_error(spec: HiddenStateSpec, value) -> str:
+    with pytest.raises(ShapeContractError) as info:
+        spec.check(value, WHERE)
+    assert isinstance(info.value, ValueError)
+    message = str(info.value)
+    assert WHERE in message
+    assert str(spec.width) in message
+    assert str(spec.dtype) in message
+    return message
+
+
+def test_check_wrong_width_names_both_widths():
+    message = _check_error(HiddenStateSpec(256, torch.bfloat16), torch.zeros(3, 1728, dtype=torch.bfloat16))
+    assert "1728" in message
+
+
+def test_check_wrong_dtype_names_both_dtypes():
+    message = _check_error(HiddenStateSpec(256, torch.bfloat16), torch.zeros(3, 256, dtype=torch.float32))
+    assert "torch.float32" in message
+
+
+@pytest.mark.parametrize("shape", [(256,), (2, 3, 256), (1, 1, 1, 256)])
+def test_check_wrong_rank_names_the_shape(shape):
+    message = _check_error(HiddenStateSpec(256, torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
+    assert str(tuple(shape)) in message
+
+
+@pytest.mark.parametrize("value", [None, [[0.0] * 256], 3.0])
+def test_check_non_tensor_names_the_type(value):
+    message = _check_error(HiddenStateSpec(256, torch.bfloat16), value)
+    assert type(value).__name__ in message
+
+
+@pytest.mark.parametrize("rows", [0, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_empty(rows, dtype):
+    spec = HiddenStateSpec(1728, dtype)
+    out = spec.empty(rows)
+    assert out.shape == (rows, 1728) and out.dtype == dtype
+    assert not out.any()
+    spec.check(out, "empty")
+    assert spec.empty().shape == (0, 1728)
+
+
+@pytest.mark.parametrize("width", [0, -1, True, 2.0, "256"])
+def test_spec_rejects_bad_width(width):
+    with pytest.raises(ShapeContractError, match="width"):
+        HiddenStateSpec(width, torch.float32)
+
+
+def test_spec_rejects_bad_dtype():
+    with pytest.raises(ShapeContractError, match="dtype"):
+        HiddenStateSpec(256, "bfloat16")
+
+
+# --------------------------------------------------------------------------- validate_spec_pair
+
+EAGLE3_DRAFT = draft_fields(256, target_hidden_size=576, draft_vocab_size=8192)
+
+# (id, algorithm, draft fields or None, field the error must name first)
+INVALID_PAIRS = [
+    ("standalone-vocab", SpecAlgorithm.STANDALONE, draft_fields(128, vocab=32000), "vocab_size"),
+    ("eagle-hidden", SpecAlgorithm.EAGLE, draft_fields(256), "hidden_size"),
+    ("eagle-vocab", SpecAlgorithm.EAGLE, draft_fields(576, vocab=32000), "vocab_size"),
+    ("eagle3-target-hidden", SpecAlgorithm.EAGLE3,
+     draft_fields(256, target_hidden_size=512), "target_hidden_size"),
+    ("eagle3-draft-vocab", SpecAlgorithm.EAGLE3,
+     draft_fields(256, draft_vocab_size=50000), "draft_vocab_size"),
+    ("eagle3-id-past-last-layer", SpecAlgorithm.EAGLE3,
+     draft_fields(256, eagle_aux_hidden_state_layer_ids=[1, 14, 29]), "eagle_aux_hidden_state_layer_ids"),
+    ("eagle3-id-negative", SpecAlgorithm.EAGLE3,
+     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 14, 26]}),
+     "eagle_aux_hidden_state_layer_ids"),
+    ("eagle3-id-huge", SpecAlgorithm.EAGLE3,
+     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 300]}),
+     "eagle_aux_hidden_state_layer_ids"),
+    ("eagle3-num-aux-vs-ids", SpecAlgorithm.EAGLE3,
+     draft_fields(256, num_aux_hidden_states=4, eagle_aux_hidden_state_layer_ids=[1, 14, 26]),
+     "eagle_aux_hidden_state_layer_ids"),
+    ("eagle-missing", SpecAlgorithm.EAGLE, None, "draft_model"),
+    ("eagle3-missing", SpecAlgorithm.EAGLE3, None, "draft_model"),
+    ("standalone-missing", SpecAlgorithm.STANDALONE, None, "draft_model"),
+]
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize(
+    "algorithm,draft,field",
+    [case[1:] for case in INVALID_PAIRS],
+    ids=[case[0] for case in INVALID_PAIRS],
+)
+def test_validate_rejects_naming_the_field(kind, algorithm, draft, field):
+    target = make_config(kind, target_fields(576, layers=30, vocab=49152))
+    with pytest.raises(ShapeContractError) as info:
+        validate_spec_pair(algorithm, target, make_config(kind, draft))
+    message = str(info.value)
+    # The field comes first ("hidden_size:" must not be satisfied by "target_hidden_size").
+    assert message.startswith(f"{field}:"), message
+    assert "\n" not in message
+
+
+VALID_PAIRS = [
+    ("none", SpecAlgorithm.NONE, None),
+    ("ngram", SpecAlgorithm.NGRAM, None),
+    ("standalone-smaller-hidden", SpecAlgorithm.STANDALONE, draft_fields(128)),
+    ("eagle-same-hidden", SpecAlgorithm.EAGLE, draft_fields(576)),
+    ("eagle3", SpecAlgorithm.EAGLE3, EAGLE3_DRAFT),
+    ("eagle3-no-target-hidden-size", SpecAlgorithm.EAGLE3, draft_fields(256)),
+    ("eagle3-edge-ids", SpecAlgorithm.EAGLE3,
+     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 14, 28]})),
+    ("eagle3-no-aux", SpecAlgorithm.EAGLE3,
+     draft_fields(256, eagle_config={"use_aux_hidden_state": False})),
+    ("eagle3-draft-vocab-equal", SpecAlgorithm.EAGLE3, draft_fields(256, draft_vocab_size=49152)),
+]
+
+
+@pytest.mark.parametrize("kind", CONFIG_KINDS)
+@pytest.mark.parametrize(
+    "algorithm,draft", [case[1:] for case in VALID_PAIRS], ids=[case[0] for case in VALID_PAIRS]
+)
+def test_validate_accepts_valid_pairs(kind, algorithm, draft):
+    target = make_config(kind, target_fields(576, layers=30, vocab=49152))
+    validate_spec_pair(algorithm, target, make_config(kind, draft))
+    validate_spec_pair(algorithm.name.lower(), target, make_config(kind, draft))
