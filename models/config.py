@@ -78,5 +78,8 @@ def rope_parameters(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)), 1.0
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    # Models are built under `torch.device("meta")`; compute the frequencies on the CPU for real
+    # (transformers' RoPE functions create tensors on the ambient default device).
+    with torch.device("cpu"):
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     return inv_freq, float(scaling)

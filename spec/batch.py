@@ -209,7 +209,10 @@ class DraftExtendInput:
             torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), lens.tolist())])
             if index.numel() else torch.zeros(0, dtype=torch.long)
         )
-        kept = {n: None if getattr(self, n) is None else getattr(self, n).index_select(0, rows) for n in self._TOKEN_FIELDS}
+        kept = {
+            n: None if getattr(self, n) is None else getattr(self, n).index_select(0, rows.to(getattr(self, n).device))
+            for n in self._TOKEN_FIELDS
+        }
         return replace(self, **kept, extend_lens=lens, accept_lens=self.accept_lens[index])
 
 

@@ -64,8 +64,8 @@ def make_world(algorithm, target_hidden, draft_hidden, eagle3_style, num_aux, us
             "no_aux": {"eagle_config": {"use_aux_hidden_state": False}},
         }[eagle3_style])
     if use_llama:
-        target = LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **target)
-        draft = None if draft is None else LlamaConfig(num_attention_heads=4, num_key_value_heads=4, **draft)
+        target = LlamaConfig(num_attention_heads=1, num_key_value_heads=1, **target)
+        draft = None if draft is None else LlamaConfig(num_attention_heads=1, num_key_value_heads=1, **draft)
     return World(
         algorithm, target, draft, dtype, topk, num_draft_tokens, scratch,
         input_spec=get_draft_input_hidden_state_spec(algorithm, target, draft, dtype),
@@ -78,7 +78,7 @@ def worlds(draw) -> World:
     algorithm = draw(st.sampled_from(list(SpecAlgorithm)))
     # Target and draft widths never coincide, so a confused width cannot pass unnoticed.
     target_hidden = draw(st.sampled_from([8, 24, 576]))
-    draft_hidden = draw(st.sampled_from([4, 16, 256]))
+    draft_hidden = draw(st.sampled_from([4, 40, 256]))  # never target_hidden * num_aux either
     world = make_world(
         algorithm, target_hidden, draft_hidden,
         eagle3_style=draw(st.sampled_from(["default", "num_aux", "ids_top", "ids_eagle_config", "no_aux"])),
@@ -401,6 +401,22 @@ def test_merge_rejects_other_types_and_one_sided_hidden():
     with pytest.raises(ShapeContractError, match="hidden_states"):
         DraftInput.create_idle(HiddenStateSpec(256, torch.bfloat16), 2).merge(
             DraftInput.create_idle(HiddenStateSpec(256, torch.float32), 2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_filter_keeps_device_tensors_on_their_device():
+    """Hidden rows live on the GPU while lengths stay on the CPU; filtering must not mix devices."""
+    world = make_world(SpecAlgorithm.EAGLE3, 576, 256, "default", 3, False, torch.bfloat16)
+    gen = torch.Generator().manual_seed(2)
+    reqs = [make_request(world, rid, gen) for rid in range(3)]
+    batches = real_batches(world, reqs)
+    extend, draft = batches["extend"], batches["draft"]
+    extend.hidden_states, extend.tokens = extend.hidden_states.cuda(), extend.tokens.cuda()
+    draft.hidden_states = draft.hidden_states.cuda()
+    for keep in ([2, 0], torch.tensor([2, 0]), torch.tensor([True, False, True])):
+        kept_extend, kept_draft = extend.filter(keep), draft.filter(keep)
+        assert kept_extend.hidden_states.is_cuda and kept_extend.tokens.is_cuda and kept_draft.hidden_states.is_cuda
+    assert torch.equal(extend.filter([2]).tokens.cpu(), reqs[2].tokens)
 
 
 # --------------------------------------------------------------------------- SGLang regressions

@@ -1,0 +1,127 @@
+"""Greedy speculative output equals plain decoding token for token, for every algorithm,
+chain and tree, while requests join, leave and finish together; KV slots never leak."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphs import EngineConfig, SamplingParams, build_graph
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 30, 31, 30, 31]]
+# Different lengths so requests finish at different steps.
+MAX_TOKENS = [24, 9, 17, 30, 12]
+
+# (algorithm, draft fixture name, eagle_topk, num_draft_tokens, num_steps)
+MATRIX = [
+    ("NGRAM", None, 1, 4, 3),
+    ("STANDALONE", "tiny_standalone", 1, 4, 3),
+    ("STANDALONE", "tiny_standalone", 2, 6, 3),
+    ("STANDALONE", "tiny_target", 1, 5, 4),  # the target as its own draft: everything accepted
+    ("STANDALONE", "tiny_target", 3, 8, 3),
+    ("EAGLE", "tiny_eagle", 1, 4, 3),
+    ("EAGLE", "tiny_eagle", 2, 5, 3),
+    ("EAGLE3", "tiny_eagle3_shared", 1, 4, 3),
+    ("EAGLE3", "tiny_eagle3_shared", 4, 8, 3),
+    ("EAGLE3", "tiny_eagle3_own", 1, 3, 2),
+    ("EAGLE3", "tiny_eagle3_own", 2, 7, 4),
+]
+
+
+def _engine(target, algorithm=None, draft=None, topk=1, n=4, steps=3, **kw):
+    kw.setdefault("kv_slots", 4096)
+    return build_graph(EngineConfig(
+        model=str(target), speculative_algorithm=algorithm, draft_model=draft and str(draft),
+        eagle_topk=topk, num_draft_tokens=n, num_steps=steps, **kw))
+
+
+def _run_all(engine, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+    """Submit every request at once, each with its own max_tokens; run to completion."""
+    sched = engine.scheduler
+    rids = [sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+            for p, m in zip(prompts, max_tokens)]
+    reqs = [sched.find(r) for r in rids]
+    while sched.has_unfinished():
+        sched.step()
+    return [r.output() for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    engine = _engine(tiny_target)
+    # One request at a time: the simplest possible schedule is the reference.
+    return [_run_all(engine, [p], [m])[0].token_ids for p, m in zip(PROMPTS, MAX_TOKENS)]
+
+
+@pytest.mark.parametrize("algorithm,draft,topk,n,steps", MATRIX)
+def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm, draft, topk, n, steps):
+    draft_path = request.getfixturevalue(draft) if draft else None
+    engine = _engine(tiny_target, algorithm, draft_path, topk, n, steps)
+    free_before = engine.scheduler.num_free_slots
+    outs = _run_all(engine)
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_output_tokens for o in outs] == MAX_TOKENS
+    assert all(o.finish_reason == "length" for o in outs)
+    assert engine.scheduler.num_free_slots == free_before
+    assert engine.scheduler.reserved == 0
+
+
+def test_full_acceptance_when_draft_is_target(tiny_target, reference):
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    outs = _run_all(engine)
+    assert [o.token_ids for o in outs] == reference
+    # 1 prefill token, then 5 tokens (4 drafts + bonus) per verify step.
+    assert [o.num_verify_steps for o in outs] == [1 + -(-(m - 1) // 5) for m in MAX_TOKENS]
+
+
+@pytest.mark.parametrize("algorithm,draft", [("EAGLE3", "tiny_eagle3_own"), ("STANDALONE", "tiny_standalone"), ("NGRAM", None)])
+def test_requests_join_mid_flight(request, tiny_target, reference, algorithm, draft):
+    draft_path = request.getfixturevalue(draft) if draft else None
+    engine = _engine(tiny_target, algorithm, draft_path, 2 if draft else 1, 5, 3)
+    sched = engine.scheduler
+    free_before = sched.num_free_slots
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+    first = [sched.add_request(PROMPTS[i], params[i]) for i in (0, 1)]
+    for _ in range(3):
+        sched.step()
+    late = [sched.add_request(PROMPTS[i], params[i]) for i in (2, 3)]
+    sched.step()
+    last = sched.add_request(PROMPTS[4], params[4])
+    reqs = [sched.find(r) for r in first + late + [last]]
+    while sched.has_unfinished():
+        sched.step()
+    assert [r.output().token_ids for r in reqs] == reference
+    assert sched.num_free_slots == free_before
+
+
+@pytest.mark.parametrize("algorithm,draft", [("EAGLE3", "tiny_eagle3_shared"), ("STANDALONE", "tiny_target")])
+def test_all_requests_finish_in_the_same_step(request, tiny_target, reference, algorithm, draft):
+    """After the batch empties at verify, the next steps run on idle inputs without error."""
+    engine = _engine(tiny_target, algorithm, request.getfixturevalue(draft))
+    outs = _run_all(engine, PROMPTS[:3], [6, 6, 6])
+    assert [o.token_ids for o in outs] == [ref[:6] for ref in reference[:3]]
+    assert engine.scheduler.draft_input.num_requests == 0
+    assert engine.scheduler.step() == []  # nothing to do: no crash
+    outs = _run_all(engine, PROMPTS[3:], MAX_TOKENS[3:])  # and the engine keeps serving
+    assert [o.token_ids for o in outs] == reference[3:]
+
+
+def test_kv_budget_makes_requests_wait(tiny_target, reference):
+    """A KV pool that fits about one request at a time: the rest wait, all finish, nothing leaks."""
+    engine = _engine(tiny_target, "NGRAM", kv_slots=80)
+    outs = _run_all(engine)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.num_free_slots == 80
+
+
+def test_max_running_requests(tiny_target, reference):
+    engine = _engine(tiny_target, "NGRAM", max_running_requests=2)
+    sched = engine.scheduler
+    reqs = [sched.find(sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
+            for p, m in zip(PROMPTS, MAX_TOKENS)]
+    peak = 0
+    while sched.has_unfinished():
+        sched.step()
+        peak = max(peak, len(sched.running))
+    assert peak == 2
+    assert [r.output().token_ids for r in reqs] == reference
+    assert sched.num_free_slots == 4096
