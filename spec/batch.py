@@ -265,6 +265,8 @@ class BatchMeta(_RowBatch):
         return bool(self.prefill_lens.numel()) and int(self.prefill_lens.max()) > 0
 
     def merge(self, other: "BatchMeta") -> "BatchMeta":
+        if type(other) is not BatchMeta:
+            raise ShapeContractError(f"merge: cannot merge {type(other).__name__} into BatchMeta")
         merged = {}
         for name in self._row_fields():
             a, b = getattr(self, name), getattr(other, name)

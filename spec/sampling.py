@@ -22,6 +22,10 @@ _MUL_SEED, _MUL_POS, _MIX = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F
 _MAX_SEED = 2**63 - 1
 
 
+def _not_number(value) -> bool:
+    return not isinstance(value, (int, float)) or isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     """Per-request generation settings (OpenAI / vLLM semantics). Validated on construction."""
@@ -40,13 +44,15 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0:
+        if _not_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if _not_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= _MAX_SEED):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= _MAX_SEED
+        ):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
