@@ -36,9 +36,9 @@ def resolve_sources(config: EngineConfig) -> tuple[ModelSource, ModelSource | No
     """Resolve and validate the target/draft pair from configs alone, before weights load."""
     target = ModelSource.resolve(config.model)
     draft = ModelSource.resolve(config.draft_model) if config.draft_model else None
-    validate_spec_pair(config.algorithm, target.config, None if draft is None else draft.config)
     if draft is not None:
         check_draft_kind(config.algorithm, draft)
+    validate_spec_pair(config.algorithm, target.config, None if draft is None else draft.config)
     return target, draft
 
 

@@ -135,3 +135,16 @@ def make_eagle(folder: Path, target: Path, seed: int = 2) -> Path:
     config = dict(tcfg, architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: every UTF-8 byte is one token, so one emoji is 4 tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    vocab = {alphabet[b]: b for b in range(256)}
+    vocab["<eos>"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")

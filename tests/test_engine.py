@@ -1,0 +1,133 @@
+"""The offline API: prompts and chat, streaming, seeds, stop rules, context length,
+incremental detokenization, and configuration errors caught before weights load."""
+
+from __future__ import annotations
+
+import pytest
+
+import actors.target_runner
+from actors.request import IncrementalDetokenizer, Request
+from graphs import EngineConfig, SamplingParams, build_graph
+from spec import ShapeContractError
+from tiny_models import byte_tokenizer, make_eagle3
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_target):
+    return build_graph(EngineConfig(model=str(tiny_target)))
+
+
+@pytest.fixture(scope="module")
+def eagle3(tiny_target, tiny_eagle3_own):
+    return build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="eagle3",
+                                    draft_model=str(tiny_eagle3_own), eagle_topk=2, num_draft_tokens=6))
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_text_and_token_prompts_agree(plain):
+    by_text, by_ids = plain.generate(["w1 w2 w3", [1, 2, 3]], GREEDY)
+    assert by_text.token_ids == by_ids.token_ids
+    assert by_text.num_prompt_tokens == 3
+    assert by_text.text == plain.tokenizer.decode(by_text.token_ids, skip_special_tokens=True)
+    assert by_text.finish_reason == "length" and by_text.num_output_tokens == 12
+
+
+def test_chat_applies_the_template(plain):
+    chat = plain.chat([[{"role": "user", "content": "w5 w6"}]], GREEDY)[0]
+    text = plain.generate(["w5 w6"], GREEDY)[0]  # the tiny template is "content "
+    assert chat.token_ids == text.token_ids
+
+
+def test_stream_concatenation_equals_generate(plain, eagle3):
+    for engine in (plain, eagle3):
+        streamed = list(engine.stream("w9 w8 w7", GREEDY))
+        assert len(streamed) > 1
+        assert "".join(streamed) == engine.generate(["w9 w8 w7"], GREEDY)[0].text
+
+
+def test_same_seed_same_text_across_algorithms(plain, eagle3):
+    """Randomness is a function of (seed, position), so speculation does not change samples."""
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    a = plain.generate(["w1 w2"], params)[0]
+    b = plain.generate(["w1 w2"], params)[0]
+    c = eagle3.generate(["w1 w2"], params)[0]
+    assert a.token_ids == b.token_ids == c.token_ids
+    other = plain.generate(["w1 w2"], SamplingParams(max_tokens=16, temperature=0.9, seed=99, ignore_eos=True))[0]
+    assert other.token_ids != a.token_ids
+
+
+def test_stop_string_is_not_returned(plain):
+    full = plain.generate(["w1 w2"], GREEDY)[0]
+    words = full.text.split()
+    stop = words[4]
+    out = plain.generate(["w1 w2"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.index(stop)]
+    assert stop not in out.text
+    streamed = "".join(plain.stream("w1 w2", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop])))
+    assert streamed == out.text
+
+
+def test_context_length_stops_generation(tiny_target):
+    engine = build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="ngram", max_model_len=12))
+    out = engine.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and out.num_output_tokens == 7
+    with pytest.raises(ValueError, match="prompt"):
+        engine.generate([list(range(12))], GREEDY)
+
+
+def test_eos_stops_unless_ignored():
+    tok = byte_tokenizer()
+    eos = tok.eos_token_id
+
+    def request(ignore_eos):
+        params = SamplingParams(max_tokens=10, ignore_eos=ignore_eos)
+        return Request(0, [1], params, 0, IncrementalDetokenizer(tok), {eos}, 100)
+
+    stopped = request(False)
+    stopped.append_tokens([104, 105, eos, 106])
+    assert stopped.finish_reason == "stop" and stopped.output_ids == [104, 105, eos] and stopped.text == "hi"
+    ignored = request(True)
+    ignored.append_tokens([104, 105, eos, 106])
+    assert ignored.finish_reason is None and ignored.output_ids == [104, 105, eos, 106]
+
+
+def test_detokenizer_never_emits_half_a_character():
+    tok = byte_tokenizer()
+    text = "héllo 🚀 wörld ✓"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(t) for t in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_dir):
+    def boom(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(actors.target_runner, "build_target", boom)
+    with pytest.raises(ValueError, match="EAGLE, EAGLE3, STANDALONE, NGRAM"):
+        build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="medusa"))
+    with pytest.raises(ValueError, match="draft_model"):
+        build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3"))
+    bad = make_eagle3(tiny_dir / "eagle3_bad_width", tiny_target, hidden=32)
+    config = (bad / "config.json").read_text().replace('"target_hidden_size": 64', '"target_hidden_size": 96')
+    (bad / "config.json").write_text(config)
+    with pytest.raises(ShapeContractError, match="target_hidden_size"):
+        build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3", draft_model=str(bad)))
+    with pytest.raises(ValueError, match="architectures"):
+        build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE",
+                                 draft_model=str(tiny_dir / "eagle3_bad_width")))
+
+
+@pytest.mark.parametrize("field,value", [("num_steps", 0), ("eagle_topk", -1), ("num_draft_tokens", 99),
+                                         ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0)])
+def test_engine_config_validation_names_the_field(tiny_target, field, value):
+    kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
+              "num_draft_tokens": 6, field: value}
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)

@@ -1,0 +1,697 @@
+"""Model code against transformers on the same weights, checkpoint loading, and the runners.
+
+Our target (paged KV, flat ragged rows, explicit positions, tree masks) is compared with
+transformers' LlamaForCausalLM / Qwen2ForCausalLM logits in fp32 for prefill, decode after
+prefill, tree verification and a ragged batch; every KV pool starts full of large garbage so
+that reading a slot a request does not own (or a padding slot) changes the result. Tiny
+random models go through the real loader; the real SmolLM2 tests are marked integration and
+share one module-scoped load.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import make_eagle3, make_llama
+
+from models.attention import AttentionMetadata, KVPool
+from models.build import ModelSource, build_draft, build_target
+from models.loader import CheckpointError, resolve_model
+from models.registry import DEFAULT_MODEL, REGISTRY
+from spec import BatchMeta, DraftExtendInput, ShapeContractError, SpecAlgorithm, VerifyInput
+from spec.tree import ancestor_mask, depths
+
+FP32 = torch.float32
+ATOL = 1e-4  # fp32 logits, ours vs transformers
+NUM_SLOTS = 256
+GARBAGE = 1e3  # magnitude of the values that fill slots a request must never read
+
+# --------------------------------------------------------------------------- tiny models
+
+
+def _randomize_vectors(folder: Path, seed: int) -> None:
+    """Give biases and norm weights random values (save_pretrained leaves them 0 / 1), so a
+    bias or norm that is not loaded, or loaded into the wrong place, shows in the logits."""
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    g = torch.Generator().manual_seed(seed)
+    for name, t in state.items():
+        if name.endswith(".bias"):
+            state[name] = torch.randn(t.shape, generator=g) * 0.2
+        elif name.endswith("norm.weight"):
+            state[name] = 1.0 + torch.randn(t.shape, generator=g) * 0.2
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def _make_qwen2(folder: Path, seed: int = 7) -> Path:
+    """Qwen2: q/k/v biases (no o_proj bias), untied, YaRN RoPE (attention scaling != 1)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "rope_theta": 10000.0},
+        bos_token_id=None, eos_token_id=62, pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.25 if p.dim() == 2 else 1.0 + torch.randn(p.shape, generator=g) * 0.2)
+    model.save_pretrained(folder, safe_serialization=True)
+    _randomize_vectors(folder, seed)
+    return folder
+
+
+def _make_variant(name: str, folder: Path) -> Path:
+    if name == "llama_untied_bias_linear_rope":
+        make_llama(folder, tie=False, layers=5, seed=3, attention_bias=True, mlp_bias=True,
+                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    elif name == "llama_head_dim_mqa_llama3_rope":
+        # head_dim 32 != hidden / heads, a single KV head, Llama-3 frequency-dependent RoPE scaling.
+        make_llama(folder, layers=6, heads=4, kv_heads=1, seed=4, head_dim=32,
+                   rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+                                    "rope_theta": 500000.0})
+    elif name == "qwen2_yarn_rope":
+        return _make_qwen2(folder)
+    else:
+        raise KeyError(name)
+    _randomize_vectors(folder, seed=11)
+    return folder
+
+
+CONFIGS = ["tied_gqa", "llama_untied_bias_linear_rope", "llama_head_dim_mqa_llama3_rope", "qwen2_yarn_rope"]
+
+
+@dataclass
+class Pair:
+    """Our model and transformers' on the same folder."""
+
+    folder: Path
+    ours: torch.nn.Module
+    hf: torch.nn.Module
+
+    @property
+    def num_layers(self) -> int:
+        return self.ours.shape.num_layers
+
+
+def _load_pair(folder: Path) -> Pair:
+    from transformers import AutoModelForCausalLM
+
+    ours = build_target(ModelSource.resolve(folder), FP32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=FP32).eval()
+    return Pair(Path(folder), ours, hf)
+
+
+@pytest.fixture(scope="module", params=CONFIGS)
+def pair(request, tiny_target, tmp_path_factory) -> Pair:
+    if request.param == "tied_gqa":
+        return _load_pair(tiny_target)
+    return _load_pair(_make_variant(request.param, tmp_path_factory.mktemp(request.param)))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class Slots:
+    """Shuffled, non-contiguous slot ids; slot 0 (where padded keys point) is never handed out."""
+
+    def __init__(self, seed: int, num_slots: int = NUM_SLOTS):
+        g = torch.Generator().manual_seed(seed)
+        self._ids = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+
+    def take(self, n: int) -> torch.Tensor:
+        out, self._ids = self._ids[:n], self._ids[n:]
+        return torch.tensor(out, dtype=torch.long)
+
+
+def garbage_pool(model, seed: int, num_slots: int = NUM_SLOTS) -> KVPool:
+    kv = model.make_kv_pool(num_slots, FP32, "cpu")
+    g = torch.Generator().manual_seed(seed)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g) * GARBAGE)
+    return kv
+
+
+def snapshot(kv: KVPool) -> list[torch.Tensor]:
+    return [t.clone() for t in kv.k + kv.v]
+
+
+@dataclass
+class Req:
+    """One request's part of a forward pass."""
+
+    tokens: list[int]
+    slots: torch.Tensor
+    positions: torch.Tensor
+    prefix_slots: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    prefix_tokens: list[int] = field(default_factory=list)
+    mask: torch.Tensor | None = None  # (n, n) bool, None = causal
+
+    @property
+    def attend(self) -> torch.Tensor:
+        n = len(self.tokens)
+        return torch.ones(n, n, dtype=torch.bool).tril() if self.mask is None else self.mask
+
+
+def prefill_req(tokens: list[int], slots: Slots, prefix: Req | None = None) -> Req:
+    """Causal new tokens, after `prefix`'s committed context (a chunked prefill) if given."""
+    ptoks = [] if prefix is None else prefix.prefix_tokens + prefix.tokens
+    pslots = torch.zeros(0, dtype=torch.long) if prefix is None else torch.cat([prefix.prefix_slots, prefix.slots])
+    start = len(ptoks)
+    return Req(tokens, slots.take(len(tokens)), torch.arange(start, start + len(tokens)), pslots, ptoks)
+
+
+def tree_req(prefix: Req, tokens: list[int], parents: list[int], slots: Slots) -> Req:
+    """A draft tree after `prefix` (already in the KV pool): tree mask and explicit positions."""
+    par = torch.tensor([parents])
+    start = len(prefix.prefix_tokens) + len(prefix.tokens)
+    return Req(tokens, slots.take(len(tokens)), start + depths(par)[0],
+               torch.cat([prefix.prefix_slots, prefix.slots]), prefix.prefix_tokens + prefix.tokens,
+               ancestor_mask(par)[0])
+
+
+@torch.no_grad()
+def ours_forward(model, kv: KVPool, reqs: list[Req], aux_layer_ids=None):
+    """One forward pass over all requests -> (per-request logits, per-request aux or None)."""
+    meta = AttentionMetadata.build(
+        [r.prefix_slots for r in reqs], [r.slots for r in reqs], torch.cat([r.positions for r in reqs]),
+        [r.mask for r in reqs],
+    )
+    ids = torch.tensor([t for r in reqs for t in r.tokens], dtype=torch.long)
+    hidden, aux = model(ids, meta, kv, aux_layer_ids)
+    lens = [len(r.tokens) for r in reqs]
+    logits = list(model.logits(hidden).split(lens))
+    return logits, (None if aux is None else list(aux.split(lens)))
+
+
+@torch.no_grad()
+def hf_run(hf, ids: list[int]):
+    return hf(torch.tensor([ids]), output_hidden_states=True)
+
+
+@torch.no_grad()
+def hf_expected(hf, req: Req) -> torch.Tensor:
+    """(n, V) what transformers gives each new token: the prefix, then the tokens it may attend
+    to (its ancestors and itself, in node order), as one ordinary causal sequence."""
+    if req.mask is None:
+        return hf_run(hf, req.prefix_tokens + req.tokens).logits[0, -len(req.tokens):]
+    n = len(req.tokens)
+    rows: list[torch.Tensor | None] = [None] * n
+    for i in reversed(range(n)):  # one forward per branch (leaf) covers every node on its path
+        if rows[i] is None:
+            path = req.attend[i].nonzero().flatten().tolist()
+            logits = hf_run(hf, req.prefix_tokens + [req.tokens[j] for j in path]).logits[0, -len(path):]
+            for j, row in zip(path, logits):
+                rows[j] = row
+    return torch.stack(rows)
+
+
+def assert_close(actual, expected, atol=ATOL, what=""):
+    diff = (actual - expected).abs().max().item()
+    assert diff <= atol, f"{what}: max abs difference {diff:.3g} > {atol:g}"
+
+
+def rand_tokens(n: int, seed: int, vocab: int = 64) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Branches 0-1-2-3, 0-1-6, 0-4-5, 0-7: siblings at every depth, a chain of 3 under the root.
+TREE_PARENTS = [-1, 0, 1, 2, 0, 4, 1, 0]
+
+
+# --------------------------------------------------------------------------- 1. ours vs transformers
+
+
+def test_prefill_matches_transformers(pair):
+    slots, kv = Slots(seed=1), garbage_pool(pair.ours, seed=1)
+    req = prefill_req(rand_tokens(13, seed=1), slots)
+    (logits,), _ = ours_forward(pair.ours, kv, [req])
+    assert_close(logits, hf_expected(pair.hf, req), what="prefill logits")
+
+
+def test_decode_after_prefill_matches_transformers(pair):
+    """Prefill in shuffled slots, then three one-token decode steps each attending the slots
+    written before (non-contiguous ids prove the slot indexing)."""
+    slots, kv = Slots(seed=2), garbage_pool(pair.ours, seed=2)
+    req = prefill_req(rand_tokens(9, seed=2), slots)
+    ours_forward(pair.ours, kv, [req])
+    for step, token in enumerate(rand_tokens(3, seed=3)):
+        req = prefill_req([token], slots, prefix=req)
+        (logits,), _ = ours_forward(pair.ours, kv, [req])
+        assert_close(logits, hf_expected(pair.hf, req), what=f"decode step {step}")
+
+
+def test_tree_verify_matches_per_branch_forwards(pair):
+    """All branches of a draft tree in one pass (tree mask, positions = prefix + depth) equal
+    transformers run separately on prefix + each node's path."""
+    slots, kv = Slots(seed=4), garbage_pool(pair.ours, seed=4)
+    prefix = prefill_req(rand_tokens(10, seed=4), slots)
+    ours_forward(pair.ours, kv, [prefix])
+    tree = tree_req(prefix, rand_tokens(len(TREE_PARENTS), seed=5), TREE_PARENTS, slots)
+    assert tree.positions.tolist() == [10, 11, 12, 13, 11, 12, 12, 11]
+    (logits,), _ = ours_forward(pair.ours, kv, [tree])
+    assert_close(logits, hf_expected(pair.hf, tree), what="tree verify logits")
+
+
+def _ragged_batch(slots: Slots) -> tuple[list[Req], list[Req]]:
+    """(prefixes to commit first, the batch): a fresh prefill, a decode, a tree verify, a
+    chunked prefill continuation and another decode, with different context lengths."""
+    p1 = prefill_req(rand_tokens(10, seed=21), slots)
+    p2 = prefill_req(rand_tokens(6, seed=22), slots)
+    p3 = prefill_req(rand_tokens(4, seed=23), slots)
+    p4 = prefill_req(rand_tokens(13, seed=24), slots)
+    batch = [
+        prefill_req(rand_tokens(7, seed=20), slots),
+        prefill_req(rand_tokens(1, seed=31), slots, prefix=p1),
+        tree_req(p2, rand_tokens(5, seed=32), [-1, 0, 0, 1, 2], slots),
+        prefill_req(rand_tokens(5, seed=33), slots, prefix=p3),
+        prefill_req(rand_tokens(1, seed=34), slots, prefix=p4),
+    ]
+    return [p1, p2, p3, p4], batch
+
+
+def test_ragged_batch_equals_requests_one_by_one(tiny_target):
+    """A batch mixing prefill, decode and verify equals each request alone, where everything
+    outside that request's own slots is different garbage; the pass writes only its new slots."""
+    p = _load_pair(tiny_target)
+    slots = Slots(seed=6)
+    prefixes, batch = _ragged_batch(slots)
+    kv = garbage_pool(p.ours, seed=6)
+    for prefix in prefixes:
+        ours_forward(p.ours, kv, [prefix])
+    before = snapshot(kv)
+    batched, _ = ours_forward(p.ours, kv, batch)
+
+    written = torch.cat([r.slots for r in batch])
+    untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
+    untouched[written] = False
+    for old, new in zip(before, kv.k + kv.v):
+        assert torch.equal(old[untouched], new[untouched]), "the batch wrote outside its new tokens' slots"
+
+    for b, req in enumerate(batch):
+        alone = garbage_pool(p.ours, seed=100 + b)  # other requests' slots now hold other values
+        for old, new in zip(before, alone.k + alone.v):
+            new[req.prefix_slots] = old[req.prefix_slots]
+        (logits,), _ = ours_forward(p.ours, alone, [req])
+        assert_close(batched[b], logits, what=f"request {b} batched vs alone")
+        assert_close(batched[b], hf_expected(p.hf, req), what=f"request {b} vs transformers")
+
+
+def test_ragged_batch_on_every_config(pair):
+    """The same batch on each architecture variant, against transformers request by request."""
+    slots = Slots(seed=7)
+    prefixes, batch = _ragged_batch(slots)
+    kv = garbage_pool(pair.ours, seed=7)
+    for prefix in prefixes:
+        ours_forward(pair.ours, kv, [prefix])
+    batched, _ = ours_forward(pair.ours, kv, batch)
+    for b, req in enumerate(batch):
+        assert_close(batched[b], hf_expected(pair.hf, req), what=f"request {b}")
+
+
+# --------------------------------------------------------------------------- 2. aux hidden states
+
+
+def _check_aux(p: Pair, reqs: list[Req], kv, atol: float) -> None:
+    num_layers, width = p.num_layers, p.ours.shape.hidden_size
+    ids = [2, num_layers // 2, num_layers - 3]
+    _, aux = ours_forward(p.ours, kv, reqs, aux_layer_ids=ids)
+    for req, got in zip(reqs, aux):
+        assert got.shape == (len(req.tokens), len(ids) * width)
+        states = hf_run(p.hf, req.prefix_tokens + req.tokens).hidden_states
+        for j, layer in enumerate(ids):
+            assert_close(got[:, j * width : (j + 1) * width], states[layer][0, -len(req.tokens):], atol=atol,
+                         what=f"aux layer {layer} (input of layer {layer})")
+
+
+def test_aux_hidden_states_are_layer_inputs(pair):
+    """aux = cat(hidden_states[i] for i in [2, L//2, L-3]) in transformers' numbering
+    (hidden_states[i] is the input of layer i), for a prefill and a decode step after it."""
+    slots, kv = Slots(seed=8), garbage_pool(pair.ours, seed=8)
+    first = prefill_req(rand_tokens(9, seed=8), slots)
+    _check_aux(pair, [first], kv, atol=ATOL)
+    _check_aux(pair, [prefill_req(rand_tokens(1, seed=9), slots, prefix=first)], kv, atol=ATOL)
+
+
+def test_no_aux_requested_returns_none(tiny_target):
+    p = _load_pair(tiny_target)
+    _, aux = ours_forward(p.ours, garbage_pool(p.ours, 0), [prefill_req([1, 2, 3], Slots(0))])
+    assert aux is None
+
+
+# --------------------------------------------------------------------------- 3. drafts and loading
+
+
+def _src(folder) -> ModelSource:
+    return ModelSource.resolve(folder)
+
+
+def test_eagle3_same_width_shares_target_embeddings(tiny_target, tiny_eagle3_shared):
+    target = build_target(_src(tiny_target), FP32, "cpu")
+    draft = build_draft(SpecAlgorithm.EAGLE3, _src(tiny_eagle3_shared), _src(tiny_target), FP32, "cpu")
+    assert draft.shape.hidden_size == target.shape.hidden_size == 64
+    assert draft.fc.in_features == 3 * 64
+    assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert draft.draft_vocab_size == 64 and torch.equal(draft.d2t, torch.zeros(64, dtype=torch.long))
+    assert bool(draft.t2d.all())
+
+
+def test_eagle3_narrow_own_embeddings_and_draft_vocab(tiny_target, tiny_eagle3_own):
+    draft = build_draft(SpecAlgorithm.EAGLE3, _src(tiny_eagle3_own), _src(tiny_target), FP32, "cpu")
+    state = load_file(str(Path(tiny_eagle3_own) / "model.safetensors"))
+    assert draft.shape.hidden_size == 32 and draft.fc.in_features == 3 * 64
+    assert torch.equal(draft.embed_tokens.weight, state["embed_tokens.weight"])
+    assert draft.embed_tokens.weight.shape == (64, 32)
+    assert draft.draft_vocab_size == 32 and draft.lm_head.weight.shape == (32, 32)
+    assert torch.equal(draft.d2t, state["d2t"]) and torch.equal(draft.t2d, state["t2d"])
+
+    slots = Slots(seed=12)
+    kv = draft.make_kv_pool(NUM_SLOTS, FP32, "cpu")
+    n = 6
+    meta = AttentionMetadata.build([torch.zeros(0, dtype=torch.long)], [slots.take(n)], torch.arange(n), [None])
+    hidden = torch.randn(n, 3 * 64, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        recurrent, head = draft.draft_forward(torch.tensor(rand_tokens(n, 12)), hidden, meta, kv, from_target=True)
+        assert recurrent.shape == head.shape == (n, 32)
+        probs, ids = draft.topk(head, 8)
+    assert probs.shape == ids.shape == (n, 8) and ids.dtype == torch.long
+    assert bool((ids >= 0).all()) and bool((ids < 64).all())
+    assert bool((ids % 2 == 0).all()), "draft id i maps to target id 2i in this checkpoint"
+    assert bool(draft.t2d[ids].all()), "every proposed target id must be in the draft vocabulary (t2d)"
+    assert bool((ids.max() > 31)), "ids are target ids, not draft ids"
+
+
+def test_eagle_v1_shares_embeddings_and_lm_head(tiny_target, tiny_eagle):
+    target = build_target(_src(tiny_target), FP32, "cpu")
+    draft = build_draft(SpecAlgorithm.EAGLE, _src(tiny_eagle), _src(tiny_target), FP32, "cpu")
+    assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
+    assert draft.fc.in_features == 2 * 64 and draft.fc.bias is not None
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_tensors(folder: Path, edit) -> None:
+    path = folder / "model.safetensors"
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def test_missing_config_json(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "m")
+    (folder / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json") as err:
+        ModelSource.resolve(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_malformed_config_json(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "m")
+    (folder / "config.json").write_text('{"hidden_size": 64,')
+    with pytest.raises(CheckpointError, match="not valid JSON") as err:
+        ModelSource.resolve(folder)
+    assert str(folder / "config.json") in str(err.value)
+
+
+def test_missing_tensor(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "m")
+    _edit_tensors(folder, lambda s: s.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' missing") as err:
+        build_target(_src(folder), FP32, "cpu")
+    assert str(folder) in str(err.value)
+
+
+def test_wrong_shaped_tensor(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "m")
+    _edit_tensors(folder, lambda s: s.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}))
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight' has shape \(64, 64\), the config implies \(32, 64\)") as err:
+        build_target(_src(folder), FP32, "cpu")
+    assert str(folder) in str(err.value)
+
+
+def test_unexpected_tensor(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "m")
+    _edit_tensors(folder, lambda s: s.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor.*layers\.9"):
+        build_target(_src(folder), FP32, "cpu")
+
+
+def test_only_pickled_checkpoint_is_refused(tiny_target, tmp_path):
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(Path(tiny_target) / "config.json", folder / "config.json")
+    torch.save(load_file(str(Path(tiny_target) / "model.safetensors")), folder / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="safetensors") as err:
+        ModelSource.resolve(folder)
+    assert "pytorch_model.bin" in str(err.value) and str(folder) in str(err.value)
+
+
+def test_narrow_eagle3_without_own_embeddings(tiny_target, tmp_path):
+    draft = make_eagle3(tmp_path / "narrow", tiny_target, hidden=32, own_embeddings=False)
+    with pytest.raises(CheckpointError, match="embed_tokens.weight") as err:
+        build_draft(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target), FP32, "cpu")
+    assert str(draft) in str(err.value)
+
+
+def test_eagle3_reduced_vocab_without_d2t(tiny_target, tmp_path):
+    draft = make_eagle3(tmp_path / "nod2t", tiny_target, hidden=64, draft_vocab=32)
+    _edit_tensors(draft, lambda s: (s.pop("d2t"), s.pop("t2d")))
+    with pytest.raises(CheckpointError, match="d2t") as err:
+        build_draft(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target), FP32, "cpu")
+    assert "draft_vocab_size" in str(err.value) and str(draft) in str(err.value)
+
+
+def test_eagle_algorithm_with_eagle3_checkpoint(tiny_target, tiny_eagle3_shared):
+    with pytest.raises(CheckpointError, match="architectures") as err:
+        build_draft(SpecAlgorithm.EAGLE, _src(tiny_eagle3_shared), _src(tiny_target), FP32, "cpu")
+    message = str(err.value)
+    assert "config.json" in message and "EAGLE3" in message and "LlamaForCausalLMEagle3" in message
+
+
+def _shard(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    state = load_file(str(src / "model.safetensors"))
+    names = sorted(state)
+    files = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in files.items():
+        save_file({k: state[k] for k in keys}, str(dst / file), metadata={"format": "pt"})
+        weight_map.update({k: file for k in keys})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_target, tmp_path):
+    sharded = _shard(Path(tiny_target), tmp_path / "sharded")
+    assert not (sharded / "model.safetensors").exists()
+    single = build_target(_src(tiny_target), FP32, "cpu")
+    split = build_target(_src(sharded), FP32, "cpu")
+    a, b = single.state_dict(), split.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    req = prefill_req(rand_tokens(8, 13), Slots(13))
+    (la,), _ = ours_forward(single, garbage_pool(single, 13), [req])
+    (lb,), _ = ours_forward(split, garbage_pool(split, 13), [req])
+    assert torch.equal(la, lb)
+
+
+def test_sharded_checkpoint_with_missing_shard(tiny_target, tmp_path):
+    sharded = _shard(Path(tiny_target), tmp_path / "sharded")
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
+        build_target(_src(sharded), FP32, "cpu")
+
+
+def test_unknown_model_name_lists_registered_names():
+    with pytest.raises(CheckpointError, match="no-such-model") as err:
+        resolve_model("no-such-model")
+    for name in REGISTRY:
+        assert name in str(err.value)
+
+
+def test_missing_gguf_file(tmp_path):
+    with pytest.raises(CheckpointError, match="GGUF file not found") as err:
+        resolve_model(tmp_path / "absent.gguf")
+    assert "absent.gguf" in str(err.value)
+
+
+# --------------------------------------------------------------------------- 4. runners
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_target_runner_constructs_and_runs_idle(tiny_target, restore_threads, dtype):
+    from actors.target_runner import TargetRunner
+
+    runner = TargetRunner(str(tiny_target), num_slots=32, dtype=dtype, device="cpu", num_threads=1)
+    expected = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    assert torch.get_num_threads() == 1
+    assert runner.device == torch.device("cpu")
+    assert {p.dtype for p in runner.model.parameters()} == {expected}
+    assert runner.kv.k[0].dtype == expected and runner.kv.num_slots == 32
+    out = runner.forward_step(BatchMeta.create_idle(), VerifyInput.create_idle(1))
+    assert isinstance(out, DraftExtendInput) and out.num_requests == 0
+    assert out.tokens.numel() == 0 and out.hidden_states is None
+
+
+def test_target_runner_idle_eagle3_has_target_aux_width(tiny_target, tiny_eagle3_own):
+    from actors.target_runner import TargetRunner
+
+    runner = TargetRunner(str(tiny_target), "eagle3", str(tiny_eagle3_own), num_slots=32, device="cpu")
+    assert runner.aux_layer_ids == [2, 2, 1]
+    out = runner.forward_step(BatchMeta.create_idle(), VerifyInput.create_idle(4))
+    assert out.num_requests == 0
+    assert out.hidden_states.shape == (0, 3 * 64) and out.hidden_states.dtype == torch.float32
+
+
+def _meta(seq_lens, kv_slots, verify_slots=None, prefill=None):
+    """A BatchMeta for greedy requests: prefill = (tokens (B, P), slots (B, P)) or decode."""
+    b = len(seq_lens)
+    long = lambda *s: torch.zeros((b, *s), dtype=torch.long)  # noqa: E731
+    tokens, pslots = prefill if prefill is not None else (long(0), long(0))
+    return BatchMeta(
+        seq_lens=torch.tensor(seq_lens), kv_slots=kv_slots,
+        prefill_lens=torch.full((b,), tokens.shape[1], dtype=torch.long), prefill_tokens=tokens,
+        prefill_slots=pslots, next_token=torch.full((b,), -1, dtype=torch.long), scratch_slots=long(0),
+        verify_slots=verify_slots if verify_slots is not None else long(1), temperature=torch.zeros(b),
+        top_p=torch.ones(b), top_k=long(), seeds=long(), history=long(0),
+    )
+
+
+def test_target_runner_prefill_then_decode_is_greedy_generation(tiny_target):
+    """Prefill then one-node verify steps through forward_step produce transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.target_runner import TargetRunner
+
+    runner = TargetRunner(str(tiny_target), num_slots=NUM_SLOTS, device="cpu")
+    slots = Slots(seed=14)
+    prompt = rand_tokens(7, 14)
+    pslots = slots.take(7)
+    ext = runner.forward_step(_meta([0], torch.zeros(1, 0, dtype=torch.long), prefill=(torch.tensor([prompt]), pslots[None])),
+                              VerifyInput.create_idle(1))
+    assert ext.extend_lens.tolist() == [7] and ext.next_tokens[:-1].tolist() == prompt[1:]
+    out, committed = [int(ext.next_tokens[-1])], pslots
+    for _ in range(5):
+        pos = committed.numel()
+        verify = VerifyInput(torch.tensor([[out[-1]]]), torch.tensor([[-1]]), torch.tensor([[pos]]),
+                             torch.ones(1, 1, 1, dtype=torch.bool))
+        vslot = slots.take(1)
+        ext = runner.forward_step(_meta([pos], committed[None], verify_slots=vslot[None]), verify)
+        assert ext.accept_lens.tolist() == [0] and ext.slots.tolist() == vslot.tolist()
+        committed = torch.cat([committed, vslot])
+        out.append(int(ext.next_tokens[-1]))
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=FP32).eval()
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                          attention_mask=torch.ones(1, 7, dtype=torch.long))
+    assert out == ref[0, 7:].tolist()
+
+
+def test_draft_runner_constructs_and_checks_hidden_width(tiny_target, tiny_eagle3_own, restore_threads):
+    from actors.draft_runner import DraftRunner
+
+    runner = DraftRunner("eagle3", str(tiny_eagle3_own), str(tiny_target), num_steps=2, topk=2, tree_size=4,
+                         num_slots=32, dtype="float32", device="cpu", num_threads=1)
+    assert torch.get_num_threads() == 1
+    assert {p.dtype for p in runner.model.parameters()} == {torch.float32}
+    assert runner.input_spec.width == 3 * 64 and runner.hidden_spec.width == 32
+
+    idle = runner.extend(BatchMeta.create_idle(), DraftExtendInput.create_idle(runner.input_spec))
+    assert idle.num_requests == 0 and idle.hidden_states.shape == (0, 32) and idle.topk_index.shape == (0, 2)
+
+    def ext(hidden):
+        n = hidden.shape[0]
+        return DraftExtendInput(
+            tokens=torch.arange(n), next_tokens=torch.arange(1, n + 1), positions=torch.arange(n),
+            slots=torch.arange(1, n + 1), hidden_states=hidden, extend_lens=torch.tensor([n]),
+            accept_lens=torch.tensor([0]),
+        )
+
+    meta = _meta([0], torch.zeros(1, 0, dtype=torch.long))
+    # The target's own hidden width (64) where EAGLE-3 needs 3 aux layers (192): the SGLang crash.
+    with pytest.raises(ShapeContractError, match=r"draft\.extend input.*width 192.*\(4, 64\)"):
+        runner.extend(meta, ext(torch.zeros(4, 64)))
+    with pytest.raises(ShapeContractError, match=r"draft\.extend input.*bfloat16"):
+        runner.extend(meta, ext(torch.zeros(4, 192, dtype=torch.bfloat16)))
+    out = runner.extend(meta, ext(torch.randn(4, 192)))
+    assert out.num_requests == 1 and out.hidden_states.shape == (1, 32) and out.topk_index.shape == (1, 2)
+
+
+# --------------------------------------------------------------------------- real SmolLM2 (integration)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from transformers import AutoTokenizer
+
+    folder = resolve_model(DEFAULT_MODEL)
+    p = _load_pair(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours and explain why."}],
+                                   tokenize=False, add_generation_prompt=True)
+    return SimpleNamespace(pair=p, prompt=tok(text)["input_ids"], vocab=p.ours.shape.vocab_size)
+
+
+SMOL_ATOL = 2e-4  # 30 layers in fp32; the logits themselves reach about 30
+
+
+@pytest.mark.integration
+def test_registry_name_resolves_to_hf_folder():
+    folder = resolve_model(DEFAULT_MODEL)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (folder / name).is_file(), name
+    assert resolve_model(DEFAULT_MODEL) == folder  # converted once, then cached
+
+
+@pytest.mark.integration
+def test_smollm2_prefill_matches_transformers(smol):
+    p = smol.pair
+    assert p.num_layers == 30 and p.ours.shape.num_kv_heads == 3 and p.ours.shape.tie_word_embeddings
+    req = prefill_req(smol.prompt, Slots(seed=15, num_slots=128))
+    (logits,), _ = ours_forward(p.ours, garbage_pool(p.ours, 15, num_slots=128), [req])
+    assert_close(logits, hf_expected(p.hf, req), atol=SMOL_ATOL, what="SmolLM2 prefill logits")
+
+
+@pytest.mark.integration
+def test_smollm2_tree_verify_matches_per_branch_forwards(smol):
+    p = smol.pair
+    slots, kv = Slots(seed=16, num_slots=128), garbage_pool(p.ours, 16, num_slots=128)
+    prefix = prefill_req(smol.prompt, slots)
+    ours_forward(p.ours, kv, [prefix])
+    tree = tree_req(prefix, rand_tokens(len(TREE_PARENTS), 16, vocab=smol.vocab), TREE_PARENTS, slots)
+    (logits,), _ = ours_forward(p.ours, kv, [tree])
+    assert_close(logits, hf_expected(p.hf, tree), atol=SMOL_ATOL, what="SmolLM2 tree verify logits")
+
+
+@pytest.mark.integration
+def test_smollm2_aux_hidden_states(smol):
+    p = smol.pair
+    slots, kv = Slots(seed=17, num_slots=128), garbage_pool(p.ours, 17, num_slots=128)
+    first = prefill_req(smol.prompt, slots)
+    _check_aux(p, [first], kv, atol=SMOL_ATOL)
+    _check_aux(p, [prefill_req([smol.prompt[3]], slots, prefix=first)], kv, atol=SMOL_ATOL)

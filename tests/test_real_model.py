@@ -1,0 +1,73 @@
+"""Lossless speculative decoding on the real default model (SmolLM2-135M-Instruct)."""
+
+from __future__ import annotations
+
+import pytest
+
+from graphs import EngineConfig, SamplingParams, build_graph
+from models.loader import resolve_model
+from tiny_models import make_eagle3, make_llama
+
+pytestmark = pytest.mark.integration
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a haiku about autumn leaves."}],
+    [{"role": "user", "content": "List three uses of a paperclip."}],
+    [{"role": "user", "content": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"}],
+]
+MAX_TOKENS = [32, 20, 27]
+DEFAULT = "smollm2-135m-instruct"
+
+
+def _run(engine):
+    sched = engine.scheduler
+    rids = [sched.add_request(engine.encode_chat(c), SamplingParams(max_tokens=m, temperature=0.0))
+            for c, m in zip(CONVERSATIONS, MAX_TOKENS)]
+    reqs = [sched.find(r) for r in rids]
+    while sched.has_unfinished():
+        sched.step()
+    return [r.output() for r in reqs]
+
+
+def _engine(**kw):
+    return build_graph(EngineConfig(model=DEFAULT, kv_slots=2048, **kw))
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("real_drafts")
+    target = resolve_model(DEFAULT)
+    return {
+        # Random heads: correct but rarely accepted; what matters here is exactness.
+        "eagle3_576": make_eagle3(root / "eagle3_576", target, hidden=576, heads=9, kv_heads=3),
+        "eagle3_256": make_eagle3(root / "eagle3_256", target, hidden=256, heads=4, kv_heads=2,
+                                  draft_vocab=8192, own_embeddings=True),
+        "standalone_128": make_llama(root / "standalone_128", vocab_size=49152, hidden=128, layers=2, heads=2,
+                                     kv_heads=1, intermediate=256, max_pos=8192, seed=3, std=0.02),
+        "target": target,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference():
+    engine = _engine()
+    outs = _run(engine)
+    assert engine.scheduler.num_free_slots == 2048
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("algorithm,draft,topk,n", [
+    ("NGRAM", None, 1, 4),
+    ("EAGLE3", "eagle3_576", 1, 4),
+    ("EAGLE3", "eagle3_256", 4, 8),
+    ("STANDALONE", "standalone_128", 1, 4),
+    ("STANDALONE", "target", 2, 6),
+])
+def test_greedy_matches_plain_decoding(drafts, reference, algorithm, draft, topk, n):
+    engine = _engine(speculative_algorithm=algorithm, draft_model=draft and str(drafts[draft]),
+                     eagle_topk=topk, num_draft_tokens=n)
+    outs = _run(engine)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.num_free_slots == 2048
+    if draft == "target":  # a perfect draft: several tokens per verify step
+        assert all(o.acceptance_length > 2.0 for o in outs)
