@@ -25,6 +25,16 @@ from spec.sampling import SamplingParams
 from spec.shapes import HiddenStateSpec
 
 
+@dataclass
+class StepPlan:
+    """One step's inputs for one rank, and what the scheduler must remember to commit it."""
+
+    kind: str  # "prefill" | "decode" | "resync" | "idle"
+    requests: list[Request]
+    meta: BatchMeta
+    draft_input: DraftInput
+
+
 class StepExecutor(Protocol):
     def execute(self, meta: BatchMeta, draft_input: DraftInput) -> tuple[DraftExtendInput, DraftInput]: ...
 
@@ -53,6 +63,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.draft_input = self._idle_draft_input()
         self.reserved = 0
+        self._inflight: StepPlan | None = None  # planned, not yet committed
         self._next_rid = 0
         self._rng = random.SystemRandom()
 
@@ -65,15 +76,16 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: int | None = None) -> int:
         """Queue a request; raises ValueError for prompts that can never run."""
         if not prompt_ids:
             raise ValueError("prompt: must contain at least one token")
         limit = self.config.max_model_len
         if len(prompt_ids) >= limit:
             raise ValueError(f"prompt: {len(prompt_ids)} tokens leave no room within max_model_len {limit}")
-        rid = self._next_rid
-        self._next_rid += 1
+        if rid is None:
+            rid = self._next_rid
+            self._next_rid += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
         request = Request(rid, list(prompt_ids), params, seed, IncrementalDetokenizer(self.tokenizer),
                           self.eos_ids, limit)
@@ -114,12 +126,47 @@ class Scheduler:
 
     def step(self) -> list[Request]:
         """Run one step; returns the requests that made progress (finished ones included)."""
+        plan = self.plan()
+        if plan.kind == "idle":
+            return []
+        ext, draft_input = self.executor.execute(plan.meta, plan.draft_input)
+        return self.commit(plan, ext, draft_input)
+
+    def plan(self) -> "StepPlan":
+        """Choose this step's work and allocate its KV slots: a prefill of newly admitted
+        requests, a decode of the running batch, or an idle step (inputs from spec/)."""
         admitted = self._admit()
         if admitted:
-            return self._prefill(admitted)
-        if self.running:
-            return self._decode()
-        return []
+            self._inflight = self._plan_prefill(admitted)
+        elif self.running:
+            self._inflight = self._plan_decode()
+        else:
+            self._inflight = StepPlan("idle", [], BatchMeta.create_idle(self.config.scratch_size, self.config.tree_size),
+                                      self._idle_draft_input())
+        return self._inflight
+
+    def commit(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput) -> list[Request]:
+        """Apply a step's results: append tokens, keep accepted KV slots, free the rest."""
+        self._inflight = None
+        if plan.kind == "prefill":
+            for request, tokens in zip(plan.requests, ext.new_token_ids()):
+                request.num_verify_steps += 1
+                request.append_tokens(tokens)
+            self.running.extend(plan.requests)
+            self.draft_input = self.draft_input.merge(draft_input)
+        elif plan.kind == "decode":
+            self.draft_input = draft_input
+            self.slots.free(plan.meta.scratch_slots.reshape(-1))
+            committed = torch.split(ext.slots, ext.extend_lens.tolist())
+            for b, (request, kept, tokens) in enumerate(zip(plan.requests, committed, ext.new_token_ids())):
+                keep = set(kept.tolist())
+                self.slots.free([x for x in plan.meta.verify_slots[b].tolist() if x not in keep])
+                request.slots.extend(kept.tolist())
+                request.num_verify_steps += 1
+                request.accept_lens.append(len(tokens) - 1)
+                request.append_tokens(tokens)
+        self._retire_finished()
+        return list(plan.requests)
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -151,36 +198,28 @@ class Scheduler:
             out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         return out
 
-    def _prefill(self, requests: list[Request]) -> list[Request]:
+    def _prefill_meta(self, requests: list[Request], tokens: list[list[int]], slots: list[list[int]],
+                      next_token: list[int]) -> BatchMeta:
         batch = len(requests)
-        prompt_slots = [self.slots.alloc(len(r.prompt_ids)) for r in requests]
-        meta = BatchMeta(
-            seq_lens=torch.zeros(batch, dtype=torch.long),
-            kv_slots=torch.zeros((batch, 0), dtype=torch.long),
-            prefill_lens=torch.tensor([len(r.prompt_ids) for r in requests], dtype=torch.long),
-            prefill_tokens=self._padded([r.prompt_ids for r in requests], 0),
-            prefill_slots=self._padded([s.tolist() for s in prompt_slots], 0),
-            next_token=torch.full((batch,), -1, dtype=torch.long),
-            scratch_slots=torch.zeros((batch, 0), dtype=torch.long),
-            verify_slots=torch.zeros((batch, 0), dtype=torch.long),
-            history=torch.zeros((batch, 0), dtype=torch.long),
-            **self._sampling_fields(requests),
+        empty = torch.zeros((batch, 0), dtype=torch.long)
+        return BatchMeta(
+            seq_lens=torch.zeros(batch, dtype=torch.long), kv_slots=empty,
+            prefill_lens=torch.tensor([len(t) for t in tokens], dtype=torch.long),
+            prefill_tokens=self._padded(tokens, 0), prefill_slots=self._padded(slots, 0),
+            next_token=torch.tensor(next_token, dtype=torch.long),
+            scratch_slots=empty, verify_slots=empty, history=empty, **self._sampling_fields(requests),
         )
-        ext, new_draft_input = self.executor.execute(meta, self._idle_draft_input())
-        for request, slots, tokens in zip(requests, prompt_slots, ext.new_token_ids()):
-            request.slots = slots.tolist()
-            request.num_verify_steps += 1
-            request.append_tokens(tokens)
-        self.running.extend(requests)
-        self.draft_input = self.draft_input.merge(new_draft_input)
-        self._retire_finished()
-        return requests
 
-    def _decode(self) -> list[Request]:
-        requests = self.running
+    def _plan_prefill(self, requests: list[Request]) -> "StepPlan":
+        for request in requests:
+            request.slots = self.slots.alloc(len(request.prompt_ids)).tolist()
+        meta = self._prefill_meta(requests, [r.prompt_ids for r in requests], [r.slots for r in requests],
+                                  [-1] * len(requests))
+        return StepPlan("prefill", requests, meta, self._idle_draft_input())
+
+    def _plan_decode(self) -> "StepPlan":
+        requests = list(self.running)
         batch, n, s = len(requests), self.config.tree_size, self.config.scratch_size
-        verify_slots = self.slots.alloc(batch * n).view(batch, n)
-        scratch_slots = self.slots.alloc(batch * s).view(batch, s)
         history = (
             self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
             if self.config.algorithm is SpecAlgorithm.NGRAM else torch.zeros((batch, 0), dtype=torch.long)
@@ -192,21 +231,49 @@ class Scheduler:
             prefill_tokens=torch.zeros((batch, 0), dtype=torch.long),
             prefill_slots=torch.zeros((batch, 0), dtype=torch.long),
             next_token=torch.full((batch,), -1, dtype=torch.long),
-            scratch_slots=scratch_slots, verify_slots=verify_slots, history=history,
-            **self._sampling_fields(requests),
+            scratch_slots=self.slots.alloc(batch * s).view(batch, s),
+            verify_slots=self.slots.alloc(batch * n).view(batch, n),
+            history=history, **self._sampling_fields(requests),
         )
-        ext, self.draft_input = self.executor.execute(meta, self.draft_input)
-        self.slots.free(scratch_slots.reshape(-1))
-        committed = torch.split(ext.slots, ext.extend_lens.tolist())
-        for b, (request, kept, tokens) in enumerate(zip(requests, committed, ext.new_token_ids())):
-            keep = set(kept.tolist())
-            self.slots.free([x for x in verify_slots[b].tolist() if x not in keep])
-            request.slots.extend(kept.tolist())
-            request.num_verify_steps += 1
-            request.accept_lens.append(len(tokens) - 1)
-            request.append_tokens(tokens)
-        self._retire_finished()
-        return list(requests)
+        return StepPlan("decode", requests, meta, self.draft_input)
+
+    def plan_resync(self) -> "StepPlan":
+        """Re-prefill every running request into fresh runners (after an actor restart):
+        prompt plus output but the last token, which becomes the known next token, so
+        nothing is sampled twice. The same KV slots are rewritten with the same values."""
+        requests = list(self.running)
+        tokens = [(r.prompt_ids + r.output_ids)[:-1] for r in requests]
+        meta = self._prefill_meta(requests, tokens, [r.slots for r in requests], [r.output_ids[-1] for r in requests])
+        return StepPlan("resync", requests, meta, self._idle_draft_input())
+
+    def commit_resync(self, plan: "StepPlan", draft_input: DraftInput) -> None:
+        self.draft_input = draft_input
+
+    def release_uncommitted(self) -> None:
+        """Undo the allocations of a planned step that failed (its runners died): slots go
+        back to the pool and admitted requests back to the front of the queue."""
+        plan, self._inflight = self._inflight, None
+        if plan is None:
+            return
+        if plan.kind == "decode":
+            self.slots.free(plan.meta.scratch_slots.reshape(-1))
+            self.slots.free(plan.meta.verify_slots.reshape(-1))
+        elif plan.kind == "prefill":
+            for request in reversed(plan.requests):
+                self.slots.free(request.slots)
+                request.slots = []
+                self.reserved -= request.reserved
+                self.waiting.appendleft(request)
+
+    def fail_all(self, message: str) -> list[Request]:
+        """End every request with an error (the engine cannot serve them); frees everything."""
+        self.release_uncommitted()
+        failed = list(self.waiting) + list(self.running)
+        for request in failed:
+            request.finish_reason, request.error = "error", message
+        self.waiting.clear()
+        self._retire(list(range(len(self.running))))
+        return failed
 
     def _retire_finished(self) -> None:
         self._retire([i for i, r in enumerate(self.running) if r.finish_reason is not None])
@@ -226,3 +293,60 @@ class Scheduler:
 
     def outputs_of(self, requests: list[Request]) -> list[RequestOutput]:
         return [r.output() for r in requests]
+
+
+class DataParallelScheduler:
+    """One Scheduler per data-parallel rank, stepped in lockstep: every rank runs every
+    step, a rank without work on idle inputs (what DP attention needs). Requests go to the
+    least-loaded rank."""
+
+    def __init__(self, ranks: list[Scheduler], executor):
+        self.ranks = ranks
+        self.executor = executor  # execute_all([(meta, draft_input) per rank]) -> [(ext, draft_input)]
+        self._next_rid = 0
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        rank = min(self.ranks, key=lambda r: (len(r.running) + len(r.waiting), r.reserved))
+        rid = self._next_rid
+        rank.add_request(prompt_ids, params, rid=rid)
+        self._next_rid += 1
+        return rid
+
+    def find(self, rid: int) -> Request:
+        for rank in self.ranks:
+            try:
+                return rank.find(rid)
+            except KeyError:
+                pass
+        raise KeyError(f"request {rid} is not queued or running")
+
+    def abort(self, rid: int) -> None:
+        for rank in self.ranks:
+            rank.abort(rid)
+
+    def has_unfinished(self) -> bool:
+        return any(r.has_unfinished() for r in self.ranks)
+
+    @property
+    def num_free_slots(self) -> int:
+        return sum(r.num_free_slots for r in self.ranks)
+
+    def step(self) -> list[Request]:
+        plans = [rank.plan() for rank in self.ranks]
+        if all(p.kind == "idle" for p in plans):
+            return []
+        results = self.executor.execute_all([(p.meta, p.draft_input) for p in plans])
+        progressed: list[Request] = []
+        for rank, plan, (ext, draft_input) in zip(self.ranks, plans, results):
+            progressed += rank.commit(plan, ext, draft_input)
+        return progressed
+
+    def fail_all(self, message: str) -> list[Request]:
+        return [r for rank in self.ranks for r in rank.fail_all(message)]
+
+    def resync(self) -> None:
+        """Refill restarted runners: re-prefill every running request on every rank."""
+        plans = [rank.plan_resync() for rank in self.ranks]
+        results = self.executor.execute_all([(p.meta, p.draft_input) for p in plans])
+        for rank, plan, (_, draft_input) in zip(self.ranks, plans, results):
+            rank.commit_resync(plan, draft_input)

@@ -2,7 +2,7 @@
 
 from actors.request import RequestOutput
 from graphs.config import EngineConfig
-from graphs.engine import Engine, build_graph
+from graphs.engine import Engine, LocalEngine, build_graph
 from spec.sampling import SamplingParams
 
-__all__ = ["EngineConfig", "SamplingParams", "build_graph", "Engine", "RequestOutput"]
+__all__ = ["EngineConfig", "SamplingParams", "build_graph", "Engine", "LocalEngine", "RequestOutput"]

@@ -27,6 +27,15 @@ class EngineConfig:
     max_running_requests: int = 32
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    # Ray backend: resources per actor (GPU actors run on CUDA), placement and graph mode.
+    target_num_cpus: float = 1.0
+    draft_num_cpus: float = 1.0  # model-free drafters (NGRAM, NONE) take none
+    target_num_gpus: float = 0.0
+    draft_num_gpus: float = 0.0
+    target_resources: dict | None = None  # custom resources, e.g. {"target_node": 1}
+    draft_resources: dict | None = None
+    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
 
     def __post_init__(self) -> None:
         self.algorithm = SpecAlgorithm.from_name(self.speculative_algorithm)
@@ -51,6 +60,11 @@ class EngineConfig:
                 )
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {self.placement_strategy!r}")
+        for name in ("target_num_cpus", "draft_num_cpus", "target_num_gpus", "draft_num_gpus"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {getattr(self, name)!r}")
         if self.dp_size > 1 and self.backend != "ray":
             raise ValueError("dp_size: data parallelism needs backend='ray'")
 

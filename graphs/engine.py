@@ -76,13 +76,11 @@ def eos_token_ids(target: ModelSource, tokenizer) -> set[int]:
 
 
 class Engine:
-    """generate / chat / stream over a scheduler and a step executor."""
+    """The offline API shared by both backends: prompts, chat templates, generate/chat/stream."""
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, tokenizer, on_shutdown=None):
+    def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
-        self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self._on_shutdown = on_shutdown
 
     # ---- prompts --------------------------------------------------------------------
 
@@ -102,19 +100,40 @@ class Engine:
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        rids = [self.scheduler.add_request(self.encode(p), params) for p in prompts]
-        return self._run_to_completion(rids)
+        return self._generate_ids([self.encode(p) for p in prompts], params or SamplingParams())
 
     def chat(self, conversations: Sequence[Messages], params: SamplingParams | None = None) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        rids = [self.scheduler.add_request(self.encode_chat(c), params) for c in conversations]
-        return self._run_to_completion(rids)
+        return self._generate_ids([self.encode_chat(c) for c in conversations], params or SamplingParams())
 
     def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas as steps complete (other queued requests progress meanwhile)."""
-        rid = self.scheduler.add_request(self.encode(prompt), params or SamplingParams())
-        request = self.scheduler.find(rid)
+        """Yield text deltas as steps complete (other requests progress meanwhile)."""
+        return self._stream_ids(self.encode(prompt), params or SamplingParams())
+
+    def _generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        raise NotImplementedError
+
+    def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release the engine's resources (runners, actors); the engine is unusable afterwards."""
+
+
+class LocalEngine(Engine):
+    """Everything in this process: the caller's thread drives the scheduler."""
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, tokenizer):
+        super().__init__(config, tokenizer)
+        self.scheduler = scheduler
+
+    def _generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        requests = [self.scheduler.find(self.scheduler.add_request(ids, params)) for ids in prompt_ids]
+        while any(r.finish_reason is None for r in requests):
+            self.scheduler.step()
+        return [r.output() for r in requests]
+
+    def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
+        request = self.scheduler.find(self.scheduler.add_request(prompt_ids, params))
         try:
             while request.finish_reason is None:
                 self.scheduler.step()
@@ -126,18 +145,7 @@ class Engine:
                 yield tail
         finally:
             if request.finish_reason is None:
-                self.scheduler.abort(rid)
-
-    def _run_to_completion(self, rids: list[int]) -> list[RequestOutput]:
-        requests = [self.scheduler.find(rid) for rid in rids]
-        while any(r.finish_reason is None for r in requests):
-            self.scheduler.step()
-        return [r.output() for r in requests]
-
-    def shutdown(self) -> None:
-        if self._on_shutdown is not None:
-            self._on_shutdown()
-            self._on_shutdown = None
+                self.scheduler.abort(request.rid)
 
 
 def build_local(config: EngineConfig) -> Engine:
@@ -149,13 +157,13 @@ def build_local(config: EngineConfig) -> Engine:
     tokenizer = load_tokenizer(target.folder)
     scheduler = Scheduler(scheduler_config(config, target, draft), LocalExecutor(target_runner, drafter),
                           tokenizer, eos_token_ids(target, tokenizer))
-    return Engine(config, scheduler, tokenizer)
+    return LocalEngine(config, scheduler, tokenizer)
 
 
 def build_graph(config: EngineConfig) -> Engine:
     """Build an engine for `config` (backend "local": one process; "ray": actors and a compiled graph)."""
     if config.backend == "local":
         return build_local(config)
-    from graphs.ray_graph import build_ray
+    from graphs.ray_graph import RayEngine
 
-    return build_ray(config)
+    return RayEngine(config)

@@ -109,6 +109,18 @@ class DraftInput(_RowBatch):
         )
 
 
+def placeholder_draft_input(verified_id: torch.Tensor, spec: HiddenStateSpec | None, topk: int) -> DraftInput:
+    """Rows of the right widths that carry only the verified ids: what the batch holds while
+    the draft is down (decoding goes on without speculation until a resync refills it)."""
+    batch = verified_id.shape[0]
+    return DraftInput(
+        verified_id=verified_id,
+        hidden_states=None if spec is None else spec.empty(batch),
+        topk_p=torch.zeros((batch, topk), dtype=torch.float32),
+        topk_index=torch.zeros((batch, topk), dtype=torch.long),
+    )
+
+
 @dataclass
 class VerifyInput(_RowBatch):
     """A draft tree per request for the target to verify (N nodes, node 0 = verified_id).
@@ -191,6 +203,10 @@ class DraftExtendInput:
             end = start + length
             out.append(nxt[end - acc - 1 : end])
         return out
+
+    def without_hidden_states(self) -> "DraftExtendInput":
+        """The same batch minus the hidden rows (what the scheduler needs back, cheaply)."""
+        return replace(self, hidden_states=None)
 
     def merge(self, other: "DraftExtendInput") -> "DraftExtendInput":
         if type(other) is not type(self):

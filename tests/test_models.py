@@ -527,6 +527,84 @@ def test_unknown_model_name_lists_registered_names():
         assert name in str(err.value)
 
 
+def _permute_for_gguf(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf reorders q/k rows (transformers undoes it on load)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(hf_folder: Path, path: Path) -> Path:
+    """An F32 GGUF of a tiny HF Llama folder, written with the `gguf` package like llama.cpp does,
+    with a minimal byte-level BPE tokenizer."""
+    import gguf
+
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    state = load_file(str(hf_folder / "model.safetensors"))
+    vocab, hidden, heads, kv_heads = cfg["vocab_size"], cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(hidden // heads)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    tokens = [chr(ord("a") + i) if i < 26 else f"<t{i}>" for i in range(vocab)]
+    tokens[26] = "ab"
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab)
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_merges(["a b"])
+    w.add_eos_token_id(vocab - 2)
+    top = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm", "lm_head.weight": "output"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for key, tensor in state.items():
+        array = tensor.float().numpy()
+        if key in top:
+            name = top[key] + ".weight"
+        else:
+            parts = key.split(".")  # model.layers.N.<module...>.weight
+            module = ".".join(parts[3:-1])
+            name = f"blk.{parts[2]}.{per_layer[module]}.{parts[-1]}"
+            if module == "self_attn.q_proj":
+                array = _permute_for_gguf(array, heads)
+            elif module == "self_attn.k_proj":
+                array = _permute_for_gguf(array, kv_heads)
+        w.add_tensor(name, array.copy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_file_path_is_converted_once(tiny_target, tmp_path, monkeypatch):
+    """A .gguf path resolves to a converted HF folder in the cache whose weights equal the source's;
+    resolving again reuses it."""
+    monkeypatch.setenv("SPECGRAPH_CACHE", str(tmp_path / "cache"))
+    gguf_path = _write_gguf(Path(tiny_target), tmp_path / "tiny.gguf")
+    folder = resolve_model(gguf_path)
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("tiny-")
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (folder / name).is_file(), name
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(str(gguf_path)) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp, "converted again"
+    original = build_target(_src(tiny_target), FP32, "cpu").state_dict()
+    converted = build_target(_src(folder), FP32, "cpu").state_dict()
+    assert original.keys() == converted.keys()
+    for key in original:
+        assert torch.equal(original[key], converted[key]), key
+
+
 def test_missing_gguf_file(tmp_path):
     with pytest.raises(CheckpointError, match="GGUF file not found") as err:
         resolve_model(tmp_path / "absent.gguf")

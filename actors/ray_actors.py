@@ -1,0 +1,68 @@
+"""Thin Ray actor wrappers over the plain runner classes.
+
+Each wrapper times its own compute, so benchmarks can separate Ray overhead (step wall
+time minus compute) from model time. Actors in a compiled graph still answer ordinary
+`.remote()` calls such as `stats()`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+
+from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
+
+
+class _Timed:
+    def _reset_stats(self) -> None:
+        self._compute_s = 0.0
+        self._calls = 0
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._compute_s += time.perf_counter() - start
+            self._calls += 1
+
+    def stats(self, reset: bool = False) -> dict:
+        out = {"compute_s": self._compute_s, "calls": self._calls}
+        if reset:
+            self._reset_stats()
+        return out
+
+    def ready(self) -> bool:
+        return True
+
+
+@ray.remote
+class TargetActor(_Timed):
+    def __init__(self, **runner_kwargs):
+        from actors.target_runner import TargetRunner
+
+        self._reset_stats()
+        self.runner = TargetRunner(**runner_kwargs)
+
+    def forward_step(self, meta_and_verify: tuple[BatchMeta, VerifyInput]) -> DraftExtendInput:
+        return self._timed(self.runner.forward_step, *meta_and_verify)
+
+
+@ray.remote
+class DraftActor(_Timed):
+    """Wraps whichever drafter the algorithm needs (a model runner, n-gram lookup, or none)."""
+
+    def __init__(self, config, **runner_kwargs):
+        from graphs.engine import make_drafter
+
+        self._reset_stats()
+        self.drafter = make_drafter(config, **runner_kwargs)
+
+    def propose(self, step: tuple[BatchMeta, DraftInput]) -> tuple[BatchMeta, VerifyInput]:
+        meta, draft_input = step
+        return meta, self._timed(self.drafter.propose, meta, draft_input)
+
+    def extend(self, meta_and_verify: tuple[BatchMeta, VerifyInput], ext: DraftExtendInput):
+        meta, _ = meta_and_verify
+        return ext.without_hidden_states(), self._timed(self.drafter.extend, meta, ext)

@@ -1,0 +1,135 @@
+"""SchedulerActor: the Ray actor that owns the scheduler and steps the graph.
+
+A background thread runs the step loop (plan -> compiled graph -> commit) whenever there is
+work; the actor's asyncio methods take requests and stream progress back, so one actor
+serves many concurrent streams. A stream whose consumer goes away aborts its request,
+which frees its KV slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import ray
+
+from actors.request import RequestOutput
+from spec.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class SchedulerActor:
+    def __init__(self, config, placement_group, bundle_offset: int = 0):
+        from actors.scheduler import DataParallelScheduler, Scheduler
+        from graphs.engine import eos_token_ids, resolve_sources, scheduler_config
+        from graphs.runtime import GraphRuntime
+        from models.build import load_tokenizer
+
+        target, draft = resolve_sources(config)
+        tokenizer = load_tokenizer(target.folder)
+        sched_config = scheduler_config(config, target, draft)
+        ranks = [Scheduler(sched_config, None, tokenizer, eos_token_ids(target, tokenizer)) for _ in range(config.dp_size)]
+        self.dp = DataParallelScheduler(ranks, None)
+        self.runtime = GraphRuntime(config, placement_group, bundle_offset, self.dp,
+                                    sched_config.hidden_spec, sched_config.topk_width)
+        self.max_model_len = sched_config.max_model_len
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._subscribers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self._steps = 0
+        self._thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
+        self._thread.start()
+
+    # ---- the step loop (background thread) ------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop:
+            with self._lock:
+                busy = self.dp.has_unfinished()
+                if busy:
+                    try:
+                        progressed = self.runtime.step()
+                    except Exception as exc:  # noqa: BLE001 - never leave a client hanging
+                        log.exception("step failed beyond recovery")
+                        progressed = self.dp.fail_all(f"engine error: {exc}")
+                    self._steps += 1
+                    self._publish(progressed)
+            if not busy:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+
+    def _publish(self, requests) -> None:
+        for request in requests:
+            sub = self._subscribers.get(request.rid)
+            if sub is None:
+                continue
+            finished = request.finish_reason is not None
+            event = {"delta": request.take_delta(), "finished": finished,
+                     "output": request.output() if finished else None}
+            loop, queue = sub
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+            if finished:
+                self._subscribers.pop(request.rid, None)
+
+    # ---- requests (asyncio, many at once) -------------------------------------------
+
+    async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            rid = self.dp.add_request(prompt_ids, params)  # ValueError for impossible requests
+            self._subscribers[rid] = (asyncio.get_running_loop(), queue)
+        self._wakeup.set()
+        return rid, queue
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams):
+        """Yield {"delta", "finished", "output"} events as steps complete."""
+        rid, queue = await self._submit(prompt_ids, params)
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event["finished"]
+                yield event
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+        output = None
+        async for event in self.stream(prompt_ids, params):
+            output = event["output"]
+        return output
+
+    def abort(self, rid: int) -> None:
+        with self._lock:
+            self.dp.abort(rid)
+            self._subscribers.pop(rid, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {
+                "steps": self._steps,
+                "running": sum(len(r.running) for r in self.dp.ranks),
+                "waiting": sum(len(r.waiting) for r in self.dp.ranks),
+                "free_slots": self.dp.num_free_slots,
+                "kv_slots": sum(r.config.kv_slots for r in self.dp.ranks),
+                "restarts": self.runtime.restarts,
+                "speculating": not self.runtime.pending_drafts,
+            }
+
+    def actors(self) -> list:
+        """The rank actors (target, draft per rank), e.g. for fault-injection tests and stats."""
+        return self.runtime.actors()
+
+    def config_info(self) -> dict:
+        return {"max_model_len": self.max_model_len}
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=30)
+        with self._lock:
+            self.runtime.shutdown()

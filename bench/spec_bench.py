@@ -1,0 +1,388 @@
+"""Spec-Bench through the offline API: tokens/s, acceptance length and speedup per category.
+
+    python -m bench.spec_bench [--questions ../shared/eval/spec_bench_question.jsonl]
+        [--per-category 2] [--max-tokens 128] [--configs none,ngram,eagle3,eagle3-tree,standalone]
+        [--draft-eagle3 PATH] [--draft-standalone PATH] [--batch-size 1]
+        [--out bench/results/spec_bench.json] [--plot] [--no-hf]
+
+Each question's first turn goes through the chat template as one user message; decoding is
+greedy. The first N questions of each category are taken in file order. Every engine config
+builds its own engine (model load excluded from the timings), does one warmup generation,
+then runs the questions of each category in order, `--batch-size` requests at a time.
+
+tokens_per_s = new tokens / wall time of generation, per category; acceptance_length = output
+tokens / verify steps (the prefill step counts as one, so no speculation gives 1.0); speedup =
+tokens_per_s / tokens_per_s of `none` in the same run. Greedy speculative decoding is lossless,
+so each config's token ids are compared with `none`'s for the same question and differences
+counted as `mismatches` (expected 0; the transformers rows use other kernels, so a rare
+near-tie can flip a token there).
+
+Unless --no-hf, transformers `generate` runs on the same prompt ids and weights (fp32):
+`hf` (plain greedy), `hf-prompt-lookup` (prompt_lookup_num_tokens) and, with a standalone
+draft, `hf-assisted` (assistant_model). Their acceptance length counts target forward calls.
+
+Prints the JSON to stdout (progress goes to stderr) and writes it to --out; --plot writes a
+PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import shlex
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from graphs import EngineConfig, SamplingParams, build_graph
+from graphs.engine import Engine, eos_token_ids
+from models.build import ModelSource, load_tokenizer
+from models.registry import DEFAULT_MODEL
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "eval" / "spec_bench_question.jsonl"
+DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "spec_bench.json"
+ENGINE_CONFIGS = ("none", "ngram", "eagle3", "eagle3-tree", "standalone")
+REFERENCE = "none"
+
+
+# ---- questions ----------------------------------------------------------------------------
+
+
+def load_questions(path: str | Path, per_category: int) -> "OrderedDict[str, list[dict]]":
+    """The first `per_category` questions of each category, categories in order of first appearance."""
+    by_cat: OrderedDict[str, list[dict]] = OrderedDict()
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            item = json.loads(line)
+            turns = item.get("turns") or []
+            if not turns or not isinstance(turns[0], str):
+                raise ValueError(f"{path}:{line_no}: 'turns' must be a non-empty list of strings")
+            bucket = by_cat.setdefault(str(item.get("category", "uncategorized")), [])
+            if len(bucket) < per_category:
+                bucket.append({"question_id": item.get("question_id", line_no), "prompt": turns[0]})
+    return by_cat
+
+
+def messages(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+# ---- configs ------------------------------------------------------------------------------
+
+
+def engine_config(name: str, args) -> EngineConfig | None:
+    """EngineConfig for a named config, or None when it needs a draft that was not given."""
+    common = dict(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_slots=args.kv_slots)
+    if name == "none":
+        return EngineConfig(**common)
+    if name == "ngram":
+        return EngineConfig(speculative_algorithm="ngram", num_steps=args.ngram_steps, **common)
+    if name == "eagle3":
+        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
+                            **common) if args.draft_eagle3 else None
+    if name == "eagle3-tree":
+        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
+                            eagle_topk=4, num_draft_tokens=8, **common) if args.draft_eagle3 else None
+    if name == "standalone":
+        return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
+                            num_steps=args.standalone_steps, **common) if args.draft_standalone else None
+    raise ValueError(f"--configs: unknown config {name!r} (known: {', '.join(ENGINE_CONFIGS)})")
+
+
+# A runner takes a list of prompt-id lists and returns [(token_ids, verify_steps)] in order.
+Runner = Callable[[list[list[int]]], list[tuple[list[int], int]]]
+
+
+def engine_runner(engine, max_tokens: int) -> Runner:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    def run(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+        outs = engine.generate(prompts, params)
+        for out in outs:
+            if out.error:
+                raise RuntimeError(f"request failed: {out.error}")
+        return [(list(o.token_ids), o.num_verify_steps) for o in outs]
+
+    return run
+
+
+def hf_runner(model, max_tokens: int, eos_ids: list[int], **generate_kwargs) -> Runner:
+    """transformers generate, one prompt at a time; verify steps = target forward calls."""
+    calls = [0]
+    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+
+    @torch.inference_mode()
+    def run(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+        results = []
+        for ids in prompts:
+            input_ids = torch.tensor([ids], dtype=torch.long)
+            calls[0] = 0
+            out = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                do_sample=False, temperature=None, top_p=None, top_k=None,
+                eos_token_id=eos_ids, pad_token_id=eos_ids[0], **generate_kwargs,
+            )
+            results.append((out[0, len(ids):].tolist(), calls[0]))
+        return results
+
+    return run
+
+
+# ---- measuring ----------------------------------------------------------------------------
+
+
+def measure(runner: Runner, prompts: "OrderedDict[str, list[list[int]]]", batch_size: int,
+            warmup: list[int], name: str) -> dict[str, dict[str, Any]]:
+    """Run every category; returns {category: {wall_s, tokens: [ids per question], steps: [...]}}."""
+    runner([warmup])
+    raw: dict[str, dict[str, Any]] = {}
+    for category, ids in prompts.items():
+        wall, tokens, steps = 0.0, [], []
+        for start in range(0, len(ids), batch_size):
+            chunk = ids[start:start + batch_size]
+            t0 = time.perf_counter()
+            outs = runner(chunk)
+            wall += time.perf_counter() - t0
+            tokens += [t for t, _ in outs]
+            steps += [s for _, s in outs]
+        raw[category] = {"wall_s": wall, "tokens": tokens, "steps": steps}
+        n = sum(map(len, tokens))
+        print(f"[spec_bench] {name:18s} {category:16s} {n:5d} tok {wall:7.2f} s "
+              f"{n / max(wall, 1e-9):7.2f} tok/s  accept {n / max(1, sum(steps)):.2f}", file=sys.stderr)
+    return raw
+
+
+def summarize(raw: dict[str, dict[str, Any]], reference: dict[str, dict[str, Any]] | None) -> dict[str, dict]:
+    """Per-category and overall numbers; speedup and mismatches against `reference` (the `none` run)."""
+    out: dict[str, dict] = {}
+    totals = {"wall_s": 0.0, "tokens": 0, "steps": 0, "questions": 0, "mismatches": 0}
+    ref_tps_total = {"wall_s": 0.0, "tokens": 0}
+    for category, r in raw.items():
+        n_tok, n_steps, wall = sum(map(len, r["tokens"])), sum(r["steps"]), r["wall_s"]
+        tps = n_tok / wall if wall > 0 else 0.0
+        entry = {"tokens_per_s": round(tps, 3), "acceptance_length": round(n_tok / max(1, n_steps), 3),
+                 "speedup": None, "num_questions": len(r["tokens"]), "num_tokens": n_tok,
+                 "wall_s": round(wall, 3), "mismatches": None}
+        if reference is not None and category in reference:
+            ref = reference[category]
+            ref_tok = sum(map(len, ref["tokens"]))
+            ref_tps = ref_tok / ref["wall_s"] if ref["wall_s"] > 0 else 0.0
+            entry["speedup"] = round(tps / ref_tps, 3) if ref_tps > 0 else None
+            entry["mismatches"] = sum(a != b for a, b in zip(r["tokens"], ref["tokens"]))
+            totals["mismatches"] += entry["mismatches"]
+            ref_tps_total["wall_s"] += ref["wall_s"]
+            ref_tps_total["tokens"] += ref_tok
+        out[category] = entry
+        totals["wall_s"] += wall
+        totals["tokens"] += n_tok
+        totals["steps"] += n_steps
+        totals["questions"] += len(r["tokens"])
+    tps = totals["tokens"] / totals["wall_s"] if totals["wall_s"] > 0 else 0.0
+    ref_tps = ref_tps_total["tokens"] / ref_tps_total["wall_s"] if ref_tps_total["wall_s"] > 0 else 0.0
+    out["overall"] = {
+        "tokens_per_s": round(tps, 3), "acceptance_length": round(totals["tokens"] / max(1, totals["steps"]), 3),
+        "speedup": round(tps / ref_tps, 3) if reference is not None and ref_tps > 0 else None,
+        "num_questions": totals["questions"], "num_tokens": totals["tokens"], "wall_s": round(totals["wall_s"], 3),
+        "mismatches": totals["mismatches"] if reference is not None else None,
+    }
+    return out
+
+
+# ---- plot ---------------------------------------------------------------------------------
+
+
+def plot(result: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(result["results"])
+    categories = [c for c in next(iter(result["results"].values()))] if configs else []
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.0 * len(categories) * max(1, len(configs)) / 2), 8),
+                             sharex=True)
+    width = 0.8 / max(1, len(configs))
+    for ax, key, label in ((axes[0], "acceptance_length", "acceptance length (tokens / verify step)"),
+                           (axes[1], "speedup", f"speedup over '{REFERENCE}' (tokens/s)")):
+        for i, config in enumerate(configs):
+            values = [result["results"][config].get(c, {}).get(key) or 0.0 for c in categories]
+            xs = [j + (i - (len(configs) - 1) / 2) * width for j in range(len(categories))]
+            ax.bar(xs, values, width, label=config)
+        ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8, ncol=min(4, len(configs)))
+    axes[1].set_xticks(range(len(categories)))
+    axes[1].set_xticklabels(categories, rotation=30, ha="right")
+    meta = result["meta"]
+    fig.suptitle(f"Spec-Bench: {meta['model']}, greedy, max_tokens={meta['max_tokens']}, "
+                 f"{meta['per_category']}/category, batch {meta['batch_size']}, {meta['threads']} threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.spec_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
+    p.add_argument("--per-category", type=int, default=2, help="first N questions of each category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--configs", default=",".join(ENGINE_CONFIGS),
+                   help=f"comma-separated engine configs among {','.join(ENGINE_CONFIGS)} "
+                        "(draft configs are skipped without their draft; 'none' is always run, as the reference)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
+    p.add_argument("--draft-eagle3", default=None, help="EAGLE-3 head for eagle3 / eagle3-tree")
+    p.add_argument("--draft-standalone", default=None, help="small LM for standalone and hf-assisted")
+    p.add_argument("--ngram-steps", type=int, default=4, help="NGRAM draft length (also HF prompt_lookup_num_tokens)")
+    p.add_argument("--standalone-steps", type=int, default=4, help="standalone draft length")
+    p.add_argument("--batch-size", type=int, default=1, help="requests submitted together (within a category)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--kv-slots", type=int, default=None, help="KV pool size (default: sized from the prompts)")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baselines")
+    args = p.parse_args(argv)
+    for name in ("per_category", "max_tokens", "batch_size", "ngram_steps", "standalone_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    for n in names:
+        if n not in ENGINE_CONFIGS:
+            raise SystemExit(f"--configs: unknown config {n!r} (known: {', '.join(ENGINE_CONFIGS)})")
+    if REFERENCE in names:
+        names.remove(REFERENCE)
+    names = [REFERENCE] + list(dict.fromkeys(names))
+
+    questions = load_questions(args.questions, args.per_category)
+    if not questions:
+        raise SystemExit(f"{args.questions}: no questions")
+    n_q = sum(map(len, questions.values()))
+    print(f"[spec_bench] {n_q} questions in {len(questions)} categories from {args.questions}", file=sys.stderr)
+
+    # Tokenize once, exactly as the engine does (Engine.encode_chat needs only the tokenizer).
+    target = ModelSource.resolve(args.model)
+    tokenizer = load_tokenizer(target.folder)
+    encoder = Engine(None, None, tokenizer)
+    prompts = OrderedDict((c, [encoder.encode_chat(messages(q["prompt"])) for q in qs]) for c, qs in questions.items())
+    eos_ids = sorted(eos_token_ids(target, tokenizer))
+    warmup = next(iter(prompts.values()))[0]
+    if args.kv_slots is None:
+        # The scheduler reserves prompt + max_tokens + 2 steps of verify/scratch slots per request.
+        longest = max(len(p) for ps in prompts.values() for p in ps)
+        args.kv_slots = args.batch_size * (longest + args.max_tokens + 2 * 64) + 64
+
+    results: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    reference = None
+    for name in names:
+        cfg = engine_config(name, args)
+        if cfg is None:
+            skipped[name] = "needs " + ("--draft-eagle3" if name.startswith("eagle3") else "--draft-standalone")
+            print(f"[spec_bench] skip {name}: {skipped[name]}", file=sys.stderr)
+            continue
+        t0 = time.perf_counter()
+        engine = build_graph(cfg)
+        print(f"[spec_bench] {name}: engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        raw = measure(engine_runner(engine, args.max_tokens), prompts, args.batch_size, warmup, name)
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if name == REFERENCE:
+            reference = raw
+        results[name] = summarize(raw, reference)
+
+    hf_configs: list[str] = []
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        from models.loader import resolve_model
+
+        folder = resolve_model(args.model)
+        hf_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            args.dtype, torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=hf_dtype).eval()
+        runs: list[tuple[str, dict]] = [("hf", {}), ("hf-prompt-lookup", {"prompt_lookup_num_tokens": args.ngram_steps})]
+        assistant = None
+        if args.draft_standalone:
+            assistant = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft_standalone), dtype=hf_dtype).eval()
+            runs.append(("hf-assisted", {"assistant_model": assistant}))
+        if args.batch_size != 1:
+            print("[spec_bench] transformers baselines run one prompt at a time", file=sys.stderr)
+        for name, kwargs in runs:
+            raw = measure(hf_runner(model, args.max_tokens, eos_ids, **kwargs), prompts, 1, warmup, name)
+            results[name] = summarize(raw, reference)
+            hf_configs.append(name)
+        del model, assistant
+        gc.collect()
+
+    out_path = Path(args.out)
+    result = {
+        "meta": {
+            "model": args.model,
+            "max_tokens": args.max_tokens,
+            "per_category": args.per_category,
+            "batch_size": args.batch_size,
+            "num_questions": n_q,
+            "categories": list(questions),
+            "questions": str(args.questions),
+            "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": "python -m bench.spec_bench " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "draft_eagle3": args.draft_eagle3,
+            "draft_standalone": args.draft_standalone,
+            "ngram_steps": args.ngram_steps,
+            "reference": REFERENCE,
+            "hf_configs": hf_configs,
+            "skipped": skipped,
+            "plot": None,
+        },
+        "results": results,
+    }
+    if args.plot:
+        result["meta"]["plot"] = str(out_path.with_suffix(".png"))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2)
+    out_path.write_text(text + "\n")
+    if args.plot:
+        plot(result, out_path.with_suffix(".png"))
+    print(text)
+    bad = {c: r["overall"]["mismatches"] for c, r in results.items() if r["overall"]["mismatches"]}
+    if bad:
+        print(f"[spec_bench] WARNING: outputs differ from '{REFERENCE}' (questions): {bad}", file=sys.stderr)
+    return result
+
+
+def _version(package: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(package)
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    main()

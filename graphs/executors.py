@@ -1,0 +1,81 @@
+"""How one step runs on the Ray actors of every data-parallel rank.
+
+    execute_all([(meta, draft_input) per rank]) -> [(DraftExtendInput, DraftInput) per rank]
+
+Per rank: draft.propose -> target.forward_step -> draft.extend. The compiled executor
+builds this once as a Ray compiled graph (ray.dag + experimental_compile) and runs every
+node of every rank each step; ranks without work pass idle inputs from spec/.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+from ray.dag import InputNode, MultiOutputNode
+
+from actors.draft_runner import NoDrafter
+from spec.batch import placeholder_draft_input
+
+
+@dataclass
+class RankActors:
+    target: "ray.actor.ActorHandle"
+    draft: "ray.actor.ActorHandle"
+
+
+class CompiledStepExecutor:
+    def __init__(self, ranks: list[RankActors]):
+        with InputNode() as inp:
+            outputs = []
+            for r, rank in enumerate(ranks):
+                meta_and_verify = rank.draft.propose.bind(inp[r])
+                ext = rank.target.forward_step.bind(meta_and_verify)
+                outputs.append(rank.draft.extend.bind(meta_and_verify, ext))
+            dag = MultiOutputNode(outputs)
+        self.compiled = dag.experimental_compile()
+
+    def execute_all(self, steps: list) -> list:
+        return ray.get(self.compiled.execute(*steps))
+
+    def teardown(self) -> None:
+        self.compiled.teardown()
+
+
+class ActorCallExecutor:
+    """The same step as plain actor calls (object refs chained, nothing fetched in between)."""
+
+    def __init__(self, ranks: list[RankActors]):
+        self.ranks = ranks
+
+    def execute_all(self, steps: list) -> list:
+        refs = []
+        for rank, step in zip(self.ranks, steps):
+            meta_and_verify = rank.draft.propose.remote(step)
+            ext = rank.target.forward_step.remote(meta_and_verify)
+            refs.append(rank.draft.extend.remote(meta_and_verify, ext))
+        return ray.get(refs)
+
+    def teardown(self) -> None:
+        pass
+
+
+class TargetOnlyExecutor:
+    """Decoding without speculation while draft actors restart: one-node trees verified by
+    the target; the batch keeps placeholder DraftInput rows until a resync refills them."""
+
+    def __init__(self, targets: list, hidden_spec, topk_width: int):
+        self.targets = targets
+        self.hidden_spec, self.topk_width = hidden_spec, topk_width
+        self.no_draft = NoDrafter()
+
+    def execute_all(self, steps: list) -> list:
+        refs = [t.forward_step.remote((meta, self.no_draft.propose(meta, di))) for t, (meta, di) in zip(self.targets, steps)]
+        out = []
+        for (meta, _), ext in zip(steps, ray.get(refs)):
+            verified = self.no_draft.extend(meta, ext).verified_id
+            out.append((ext, placeholder_draft_input(verified, self.hidden_spec, self.topk_width)))
+        return out
+
+    def teardown(self) -> None:
+        pass

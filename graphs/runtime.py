@@ -1,0 +1,178 @@
+"""GraphRuntime: the actors of one engine, the per-step executor, and recovery.
+
+A plain class (it creates Ray actors but is not one) that the scheduler actor drives.
+Recovery: when a step fails because an actor died, the compiled graph is torn down and the
+dead actors are replaced in their placement-group bundles. A dead draft does not stop
+decoding: steps go on target-only until the new draft is ready, then every running request
+is re-prefilled through the full graph (its draft KV rebuilt by a draft extend) and
+speculation resumes. A dead target is replaced, then the same resync refills its KV.
+Requests that cannot be recovered end with finish_reason "error", never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.ray_actors import DraftActor, TargetActor
+from actors.scheduler import DataParallelScheduler, Request
+from graphs.config import EngineConfig
+from graphs.executors import ActorCallExecutor, CompiledStepExecutor, RankActors, TargetOnlyExecutor
+
+log = logging.getLogger(__name__)
+MAX_RESTARTS = 3
+
+
+def graph_bundles(config: EngineConfig) -> list[dict]:
+    """Placement-group bundles of one graph: per rank, a target bundle then a draft bundle."""
+    bundles = []
+    for _ in range(config.dp_size):
+        target = {"CPU": config.target_num_cpus, **({"GPU": config.target_num_gpus} if config.target_num_gpus else {}),
+                  **(config.target_resources or {})}
+        draft_cpus = config.draft_num_cpus if config.algorithm.needs_draft_model else 0.0
+        draft = {"CPU": draft_cpus, **({"GPU": config.draft_num_gpus} if config.draft_num_gpus else {}),
+                 **(config.draft_resources or {})}
+        bundles += [target, {k: v for k, v in draft.items() if v} or {"CPU": 0.001}]
+    return bundles
+
+
+class GraphRuntime:
+    def __init__(self, config: EngineConfig, placement_group, bundle_offset: int, dp: DataParallelScheduler,
+                 hidden_spec, topk_width: int):
+        self.config = config
+        self.pg = placement_group
+        self.bundle_offset = bundle_offset
+        self.dp = dp
+        self.hidden_spec, self.topk_width = hidden_spec, topk_width
+        self.ranks = [RankActors(self._new_target(r), self._new_draft(r)) for r in range(config.dp_size)]
+        ray.get([a.ready.remote() for rank in self.ranks for a in (rank.target, rank.draft)])
+        self.executor = self._full_executor()
+        self.pending_drafts: dict[int, ray.ObjectRef] = {}  # rank -> ready() of a restarting draft
+        self.restarts = 0
+        dp.executor = self.executor
+
+    # ---- actors ---------------------------------------------------------------------
+
+    def _options(self, bundle: int, num_cpus: float, num_gpus: float) -> dict:
+        return dict(
+            num_cpus=num_cpus, num_gpus=num_gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+        )
+
+    def _runner_kwargs(self, num_cpus: float) -> dict:
+        c = self.config
+        return dict(num_slots=c.kv_slots, dtype=c.dtype, device=c.device, num_threads=max(1, int(num_cpus)))
+
+    def _new_target(self, rank: int):
+        c = self.config
+        options = self._options(self.bundle_offset + 2 * rank, c.target_num_cpus, c.target_num_gpus)
+        return TargetActor.options(**options).remote(
+            model=c.model, algorithm=c.algorithm, draft_model=c.draft_model, **self._runner_kwargs(c.target_num_cpus))
+
+    def _new_draft(self, rank: int):
+        c = self.config
+        cpus = c.draft_num_cpus if c.algorithm.needs_draft_model else 0.0
+        options = self._options(self.bundle_offset + 2 * rank + 1, cpus, c.draft_num_gpus)
+        return DraftActor.options(**options).remote(c, **self._runner_kwargs(cpus))
+
+    def _full_executor(self):
+        return CompiledStepExecutor(self.ranks) if self.config.compiled_graph else ActorCallExecutor(self.ranks)
+
+    def actors(self) -> list:
+        return [a for rank in self.ranks for a in (rank.target, rank.draft)]
+
+    def shutdown(self) -> None:
+        self._teardown()
+        for actor in self.actors():
+            ray.kill(actor, no_restart=True)
+
+    # ---- stepping and recovery -----------------------------------------------------
+
+    def step(self) -> list[Request]:
+        self._maybe_resume_speculation()
+        try:
+            return self.dp.step()
+        except RayError as exc:
+            log.warning("step failed (%s); recovering", type(exc).__name__)
+            return self._recover(exc)
+
+    def _teardown(self) -> None:
+        try:
+            self.executor.teardown()
+        except Exception:  # noqa: BLE001 - a graph with a dead actor may fail to tear down cleanly
+            log.debug("teardown of a broken graph raised", exc_info=True)
+
+    def _alive(self, actor) -> bool:
+        try:
+            ray.get(actor.ready.remote(), timeout=30)
+            return True
+        except (RayError, TimeoutError):
+            return False
+
+    def _recover(self, exc: Exception) -> list[Request]:
+        """Replace dead actors; the failed step committed nothing, so it is simply rerun."""
+        self._teardown()
+        self.restarts += 1
+        if self.restarts > MAX_RESTARTS * self.config.dp_size * 2:
+            return self._fail_all(f"engine could not recover after {self.restarts} actor restarts: {exc}")
+        self._release_step_slots()
+        dead_target = False
+        for r, rank in enumerate(self.ranks):
+            if not self._alive(rank.target):
+                ray.kill(rank.target, no_restart=True)
+                rank.target = self._new_target(r)
+                dead_target = True
+            if r not in self.pending_drafts and not self._alive(rank.draft):
+                ray.kill(rank.draft, no_restart=True)
+                rank.draft = self._new_draft(r)
+                self.pending_drafts[r] = rank.draft.ready.remote()
+        if dead_target:
+            ray.get([rank.target.ready.remote() for rank in self.ranks])
+        if self.pending_drafts:
+            # Decode on without speculation until the new drafts have loaded.
+            self.executor = TargetOnlyExecutor([rank.target for rank in self.ranks], self.hidden_spec, self.topk_width)
+            self.dp.executor = self.executor
+            if dead_target:
+                try:
+                    self.dp.resync()
+                except RayError as again:
+                    return self._recover(again)
+            return []
+        self._resume()
+        return []
+
+    def _resume(self) -> None:
+        """Full graph again, and every running request re-prefilled into it."""
+        self.executor = self._full_executor()
+        self.dp.executor = self.executor
+        try:
+            self.dp.resync()
+        except RayError as exc:
+            self._recover(exc)
+
+    def _maybe_resume_speculation(self) -> None:
+        if not self.pending_drafts:
+            return
+        ready, _ = ray.wait(list(self.pending_drafts.values()), num_returns=len(self.pending_drafts), timeout=0)
+        if len(ready) < len(self.pending_drafts):
+            return
+        try:
+            ray.get(ready)
+        except RayError as exc:  # the replacement died too: go through recovery again
+            self.pending_drafts.clear()
+            self._recover(exc)
+            return
+        self.pending_drafts.clear()
+        self._resume()
+        log.info("draft actors back; speculation resumed")
+
+    def _release_step_slots(self) -> None:
+        """A failed step allocated slots it never committed: give them back."""
+        for rank in self.dp.ranks:
+            rank.release_uncommitted()
+
+    def _fail_all(self, message: str) -> list[Request]:
+        return self.dp.fail_all(message)

@@ -1,0 +1,85 @@
+"""bench.spec_bench end to end on the tiny model: JSON shape, speedup reference, losslessness, plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import spec_bench
+
+CATEGORIES = {"writing": ["w1 w2", "w3 w4 w5"], "rag": ["w6 w7 w6 w7", "w8 w9"]}
+
+
+@pytest.fixture
+def questions(tmp_path):
+    path = tmp_path / "questions.jsonl"
+    lines, qid = [], 0
+    for category, prompts in CATEGORIES.items():
+        for prompt in prompts + ["w10 w11"]:  # a third question per category, beyond --per-category 2
+            qid += 1
+            lines.append(json.dumps({"question_id": qid, "category": category, "turns": [prompt, "w12"]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _check(result, configs):
+    assert list(result["results"]) == configs
+    for config in configs:
+        per_cat = result["results"][config]
+        assert set(per_cat) == set(CATEGORIES) | {"overall"}
+        for category in CATEGORIES:
+            entry = per_cat[category]
+            assert entry["num_questions"] == 2
+            assert entry["num_tokens"] > 0 and entry["tokens_per_s"] > 0
+            assert entry["acceptance_length"] >= 1.0
+            assert entry["mismatches"] == 0
+        assert per_cat["overall"]["num_questions"] == 4
+        assert per_cat["overall"]["mismatches"] == 0
+    for key in list(CATEGORIES) + ["overall"]:
+        assert result["results"]["none"][key]["speedup"] == 1.0
+        assert result["results"]["none"][key]["acceptance_length"] == 1.0
+
+
+def test_spec_bench_none_ngram_hf_plot(tiny_target, questions, tmp_path, capsys):
+    out = tmp_path / "res" / "spec_bench.json"
+    result = spec_bench.main([
+        "--model", str(tiny_target), "--questions", str(questions), "--per-category", "2",
+        "--max-tokens", "8", "--configs", "ngram,none", "--out", str(out), "--plot", "--threads", "1",
+    ])
+    _check(result, ["none", "ngram", "hf", "hf-prompt-lookup"])
+    assert json.loads(out.read_text()) == result
+    assert json.loads(capsys.readouterr().out) == result
+    png = out.with_suffix(".png")
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    meta = result["meta"]
+    assert meta["max_tokens"] == 8 and meta["per_category"] == 2 and meta["categories"] == list(CATEGORIES)
+    assert meta["threads"] == 1 and meta["torch"] and meta["date"] and "--plot" in meta["command"]
+    assert meta["skipped"] == {}
+
+
+def test_spec_bench_draft_configs(tiny_target, tiny_standalone, tiny_eagle3_own, questions, tmp_path):
+    out = tmp_path / "drafts.json"
+    result = spec_bench.main([
+        "--model", str(tiny_target), "--questions", str(questions), "--per-category", "2",
+        "--max-tokens", "8", "--configs", "none,eagle3-tree,standalone,eagle3", "--no-hf",
+        "--draft-eagle3", str(tiny_eagle3_own), "--draft-standalone", str(tiny_standalone),
+        "--out", str(out), "--threads", "1",
+    ])
+    _check(result, ["none", "eagle3-tree", "standalone", "eagle3"])
+    assert not out.with_suffix(".png").exists()
+
+
+def test_draft_configs_skipped_without_drafts(tiny_target, questions, tmp_path):
+    result = spec_bench.main([
+        "--model", str(tiny_target), "--questions", str(questions), "--per-category", "1",
+        "--max-tokens", "4", "--configs", "eagle3,standalone", "--no-hf", "--out", str(tmp_path / "r.json"),
+    ])
+    assert list(result["results"]) == ["none"]
+    assert set(result["meta"]["skipped"]) == {"eagle3", "standalone"}
+
+
+def test_load_questions_first_n_per_category_in_file_order(questions):
+    loaded = spec_bench.load_questions(questions, 2)
+    assert list(loaded) == list(CATEGORIES)
+    assert [q["prompt"] for q in loaded["rag"]] == CATEGORIES["rag"]

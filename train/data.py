@@ -1,0 +1,166 @@
+"""Self-distillation data: the target's own answers to self-written prompts, generated through
+our engine (offline API, batched), plus target features (aux hidden states and logits)
+recomputed with `models.build.build_target` when training.
+
+    python -m train.data --target smollm2-135m-instruct --out ~/.cache/specgraph/train/smollm2 \
+        --num-prompts 1500 --max-tokens 256
+
+Writes `responses.jsonl` (one record per finished generation: id, kind, mode, prompt_ids,
+output_ids), appended as requests finish so an interrupted run resumes where it stopped,
+and `eval_prompts.jsonl` (held-out prompts from another seed, for measuring acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+import zlib
+from pathlib import Path
+
+from train.decontam import filter_prompts
+from train.prompts import follow_up, generate_prompts, passage_tasks
+
+EVAL_SEED = 10_000
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_engine(engine, jobs: list[tuple[str, dict, object]], out_path: Path | None = None, desc: str = "generate",
+               extra: dict | None = None) -> dict[str, dict]:
+    """jobs: (key, prompt record, SamplingParams). Runs them all batched (the scheduler admits up
+    to max_running_requests at a time); returns key -> record, appending each to out_path."""
+    from tqdm import tqdm
+
+    scheduler = engine.scheduler
+    pending = {}
+    for key, prompt, params in jobs:
+        ids = engine.encode_chat(prompt["messages"])
+        rid = scheduler.add_request(ids, params)
+        pending[key] = (prompt, ids, scheduler.find(rid), params)
+    results: dict[str, dict] = {}
+    handle = open(out_path, "a") if out_path is not None else None
+    bar = tqdm(total=len(pending), desc=desc, mininterval=5)
+    tokens = 0
+    try:
+        while pending:
+            scheduler.step()
+            for key in [k for k, v in pending.items() if v[2].finish_reason is not None]:
+                prompt, ids, request, params = pending.pop(key)
+                out = request.output()
+                record = {"key": key, "id": prompt["id"], "kind": prompt["kind"],
+                          "mode": "greedy" if params.temperature == 0 else f"t{params.temperature}",
+                          "prompt_ids": ids, "output_ids": out.token_ids, "text": out.text,
+                          "finish": out.finish_reason, **(extra or {})}
+                results[key] = record
+                tokens += len(out.token_ids)
+                if handle is not None:
+                    handle.write(json.dumps(record) + "\n")
+                    handle.flush()
+                bar.update(1)
+                bar.set_postfix(tokens=tokens)
+    finally:
+        bar.close()
+        if handle is not None:
+            handle.close()
+    return results
+
+
+def build_prompt_set(num_prompts: int, seed: int) -> list[dict]:
+    prompts, dropped = filter_prompts(generate_prompts(num_prompts, seed))
+    if dropped:
+        print(f"decontam: dropped {dropped} prompts overlapping the eval set")
+    return prompts
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-prompts", type=int, default=1500)
+    parser.add_argument("--num-eval-prompts", type=int, default=120)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--sample-frac", type=float, default=0.25, help="share of prompts also answered with sampling")
+    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--follow-up-frac", type=float, default=0.1, help="share of greedy answers given a 2nd turn")
+    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from spec.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    responses_path = out / "responses.jsonl"
+    done = {r["key"] for r in read_jsonl(responses_path)}
+    start = time.time()
+
+    eval_prompts = build_prompt_set(args.num_prompts + args.num_eval_prompts, EVAL_SEED)
+    prompts = build_prompt_set(args.num_prompts, args.seed)
+    train_texts = {p["messages"][0]["content"] for p in prompts}
+    eval_prompts = [p for p in eval_prompts if p["messages"][0]["content"] not in train_texts and p["kind"] != "passage"]
+    eval_prompts = eval_prompts[: args.num_eval_prompts]
+    with open(out / "eval_prompts.jsonl", "w") as handle:
+        for p in eval_prompts:
+            handle.write(json.dumps(p) + "\n")
+
+    engine = build_graph(EngineConfig(model=args.target, max_running_requests=args.max_running_requests,
+                                      num_threads=args.threads))
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    rng = random.Random(args.seed)
+
+    # Stage 1: passages the target writes, which become summarize / rewrite / extract material.
+    passage_prompts = [p for p in prompts if p["kind"] == "passage"]
+    passages_path = out / "passages.jsonl"
+    have = {r["key"]: r for r in read_jsonl(passages_path)}
+    jobs = [(p["id"], p, SamplingParams(max_tokens=160, temperature=0.0)) for p in passage_prompts if p["id"] not in have]
+    have.update(run_engine(engine, jobs, passages_path, "passages"))
+    texts = [have[p["id"]]["text"] for p in passage_prompts if have[p["id"]]["finish"] == "stop"]
+    derived, dropped = filter_prompts(passage_tasks(texts, args.seed))
+    all_prompts = prompts + derived
+
+    # Stage 2: greedy answers for every prompt, sampled answers for a share of them.
+    jobs = []
+    for p in all_prompts:
+        if f"{p['id']}:g" not in done:
+            jobs.append((f"{p['id']}:g", p, greedy))
+        if rng.random() < args.sample_frac and f"{p['id']}:s" not in done:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
+            jobs.append((f"{p['id']}:s", p, params))
+    first = run_engine(engine, jobs, responses_path, "answers")
+
+    # Stage 3: second turns on a share of the greedy answers.
+    previous = {r["key"]: r for r in read_jsonl(responses_path)}
+    jobs = []
+    for p in all_prompts:
+        record = previous.get(f"{p['id']}:g")
+        if record is None or record["finish"] != "stop" or rng.random() >= args.follow_up_frac:
+            continue
+        key = f"{p['id']}:f"
+        if key in previous:
+            continue
+        convo = {"id": p["id"], "kind": p["kind"] + "+followup",
+                 "messages": follow_up(p["messages"], record["text"], zlib.crc32(key.encode()) % 1000)}
+        jobs.append((key, convo, greedy))
+    run_engine(engine, jobs, responses_path, "follow-ups")
+    engine.shutdown()
+    records = read_jsonl(responses_path)
+    tokens = sum(len(r["output_ids"]) for r in records)
+    print(json.dumps({"records": len(records), "output_tokens": tokens,
+                      "prompt_tokens": sum(len(r["prompt_ids"]) for r in records),
+                      "new_this_run": len(first), "seconds": round(time.time() - start, 1)}))
+
+
+if __name__ == "__main__":
+    main()

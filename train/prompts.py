@@ -1,0 +1,272 @@
+"""Self-written training prompts: topics x task types, from templates and a seeded RNG.
+
+Kinds: chat, explanation, code, math (word problems with fresh numbers), list, story,
+translation, letter, compare, advice, plus `passage` prompts whose answers (text the target
+writes itself) become the material of summarize / rewrite / extract / question prompts built
+by `passage_tasks`. Nothing here is taken from any benchmark; `train.decontam` checks that.
+
+    generate_prompts(n, seed) -> [{"id", "kind", "messages": [{"role": "user", "content"}]}]
+"""
+
+from __future__ import annotations
+
+import random
+
+TOPICS = [
+    "photosynthesis", "black holes", "the water cycle", "volcanoes", "honey bees", "the immune system",
+    "climate change", "renewable energy", "solar panels", "electric cars", "the printing press",
+    "the Roman Empire", "ancient Egypt", "the Silk Road", "the Industrial Revolution", "the moon landing",
+    "machine learning", "the internet", "databases", "computer networks", "encryption", "cloud computing",
+    "open source software", "video games", "smartphones", "social media", "3D printing", "robots",
+    "coffee", "tea ceremonies", "baking bread", "vegetarian cooking", "fermentation", "spices",
+    "running", "yoga", "chess", "football", "swimming", "mountain hiking", "cycling", "sleep",
+    "meditation", "time management", "public speaking", "learning a language", "saving money",
+    "budgeting", "starting a small business", "remote work", "job interviews", "teamwork",
+    "gardening", "house plants", "composting", "bird watching", "dogs", "cats", "dolphins", "elephants",
+    "rain forests", "deserts", "oceans", "coral reefs", "glaciers", "earthquakes", "hurricanes",
+    "the solar system", "Mars", "telescopes", "gravity", "electricity", "magnets", "light",
+    "sound waves", "atoms", "DNA", "vaccines", "bacteria", "nutrition", "vitamins", "the human heart",
+    "the brain", "music theory", "jazz", "painting", "photography", "poetry", "libraries", "museums",
+    "trains", "airplanes", "bridges", "skyscrapers", "cities", "farming", "recycling", "plastic waste",
+    "clean water", "friendship", "kindness", "curiosity", "habits", "board games", "birthdays",
+    "winter holidays", "camping", "road trips", "maps", "volunteering", "elections", "money",
+    "banks", "inflation", "supply and demand", "the stock market", "insurance", "taxes",
+]
+
+PAIRS = [
+    ("a virus", "a bacterium"), ("weather", "climate"), ("RAM", "disk storage"), ("a list", "a tuple"),
+    ("a lake", "a sea"), ("speed", "velocity"), ("mass", "weight"), ("a comet", "an asteroid"),
+    ("TCP", "UDP"), ("a compiler", "an interpreter"), ("stocks", "bonds"), ("a frog", "a toad"),
+    ("baking soda", "baking powder"), ("an alligator", "a crocodile"), ("a meteor", "a meteorite"),
+    ("HTTP", "HTTPS"), ("a democracy", "a monarchy"), ("a simile", "a metaphor"), ("AC", "DC current"),
+    ("a hurricane", "a tornado"), ("a violin", "a cello"), ("git merge", "git rebase"), ("SQL", "NoSQL"),
+]
+
+AUDIENCES = ["a ten-year-old", "a beginner", "a high school student", "a busy manager", "my grandmother",
+             "a new employee", "someone who has never heard of it", "a curious teenager"]
+
+CHAT = [
+    "Hi! How are you today?", "Can you recommend a good book for a rainy weekend?",
+    "What should I cook for dinner tonight? I have rice, eggs and some vegetables.",
+    "I feel a bit bored. Any ideas for something fun to do at home?",
+    "What is your favorite season and why?", "Tell me a fun fact about {topic}.",
+    "I want to get better at {topic}. Where should I start?", "Why do people enjoy {topic}?",
+    "Can you give me some motivation to finish my homework?", "What are good questions to ask on a first day at a new job?",
+    "Do you have any tips for staying focused while studying?", "What is a good name for a pet goldfish?",
+    "How can I make new friends after moving to a new city?", "I'm nervous about my exam tomorrow. Any advice?",
+    "What would be a fun theme for a birthday party?", "Tell me something interesting about {topic}.",
+    "Hello! Can you help me plan my weekend?", "What is the best way to start learning about {topic}?",
+]
+
+EXPLAIN = [
+    "Explain {topic} to {audience}.", "What is {topic}? Give a short explanation.",
+    "How does {topic} work?", "Describe the main ideas behind {topic}.",
+    "Why is {topic} important?", "Give a simple explanation of {topic} with one example.",
+    "What are the most common misconceptions about {topic}?", "Write a short paragraph explaining {topic}.",
+    "What is the history of {topic} in a few sentences?", "Explain the basics of {topic} step by step.",
+]
+
+COMPARE = [
+    "What is the difference between {a} and {b}?", "Compare {a} and {b} in a short paragraph.",
+    "Explain how {a} differs from {b}, with an example of each.", "Is {a} the same as {b}? Explain briefly.",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "computes the factorial of n",
+    "returns the n-th Fibonacci number", "counts the vowels in a string", "finds the largest element of a list",
+    "removes duplicates from a list while keeping order", "checks whether a word is a palindrome",
+    "sorts a list of numbers with bubble sort", "merges two sorted lists", "counts word frequencies in a text",
+    "converts Celsius to Fahrenheit", "computes the greatest common divisor of two integers",
+    "flattens a nested list", "returns the sum of the digits of an integer", "implements binary search",
+    "reads a text file and prints the number of lines", "validates a simple email address",
+    "transposes a matrix", "generates all subsets of a list", "implements a stack with push and pop",
+    "finds the second smallest number in a list", "capitalizes the first letter of every word",
+    "checks whether two strings are anagrams", "computes the average of a list, ignoring None values",
+    "converts a Roman numeral to an integer", "rotates a list by k positions", "implements a simple queue",
+]
+LANGS = ["Python", "Python", "Python", "JavaScript", "Java", "C++", "Go", "Rust", "C", "TypeScript"]
+CODE = [
+    "Write a {lang} function that {task}.", "Write {lang} code that {task}, and explain it briefly.",
+    "How would I write a function in {lang} that {task}?", "Show a short {lang} example of a function that {task}.",
+    "Write a {lang} program that {task}. Add comments.",
+]
+CODE_OTHER = [
+    "Explain what a {concept} is in programming, with a small {lang} example.",
+    "What are the advantages of using a {concept}?", "When should I use a {concept} in {lang}?",
+]
+CONCEPTS = ["hash map", "linked list", "class", "closure", "recursive function", "loop", "decorator", "unit test",
+            "binary tree", "regular expression", "exception", "generator", "interface", "pointer", "thread"]
+
+NAMES = ["Anna", "Ben", "Carlos", "Dina", "Emma", "Farid", "Grace", "Hiro", "Ines", "Jack", "Lena", "Omar", "Priya",
+         "Sam", "Tom", "Yuki", "Zoe", "Mia", "Noah", "Leo"]
+ITEMS = [("apples", 1, 3), ("pencils", 1, 2), ("books", 5, 15), ("tickets", 8, 30), ("cupcakes", 2, 4),
+         ("notebooks", 2, 6), ("stickers", 1, 1), ("bottles of water", 1, 2), ("marbles", 1, 1), ("shirts", 10, 25)]
+
+
+def _math(rng: random.Random) -> str:
+    name, other = rng.sample(NAMES, 2)
+    item, lo, hi = rng.choice(ITEMS)
+    a, b, c = rng.randint(3, 40), rng.randint(2, 15), rng.randint(2, 9)
+    price = rng.randint(lo, hi)
+    forms = [
+        f"{name} has {a} {item}. {other} gives {name} {b} more, and then {name} gives away {c}. How many {item} does {name} have now?",
+        f"Each of the {item} costs ${price}. {name} buys {b} of them and pays with a ${price * b + rng.randint(1, 20)} bill. How much change does {name} get?",
+        f"A class has {a + 10} students. {b} of them are absent today. The rest are split into groups of {c}. How many full groups are there, and how many students are left over?",
+        f"{name} reads {b} pages every day. The book has {a * 10} pages. How many days does it take to finish the book?",
+        f"A train travels at {a + 40} km per hour for {c} hours. How far does it go?",
+        f"A rectangle is {a} cm long and {b} cm wide. What are its area and perimeter?",
+        f"{name} saves ${b} every week. How many weeks will it take to save ${b * a}?",
+        f"There are {a} {item} in a box. {name} takes {c} and {other} takes twice as many. How many are left in the box?",
+        f"If {c} workers can paint a fence in {b * 2} hours, how long would it take {c * 2} workers at the same rate?",
+        f"What is {rng.randint(11, 99)} percent of {rng.randint(2, 50) * 20}? Show your work.",
+        f"Solve for x: {c}x + {b} = {c * a + b}.",
+        f"{name} is {a} years old. {other} is {b} years older. How old will {other} be in {c} years?",
+        f"A recipe needs {c} cups of flour for {b} cookies. How much flour is needed for {b * c} cookies?",
+        f"The sum of two numbers is {a + b}, and their difference is {abs(a - b)}. What are the two numbers?",
+    ]
+    text = rng.choice(forms)
+    return text + rng.choice(["", " Explain step by step.", " Show your reasoning.", ""])
+
+
+LIST = [
+    "List {n} tips for {topic}.", "Give me {n} interesting facts about {topic}.",
+    "What are {n} benefits of {topic}?", "Name {n} things everyone should know about {topic}.",
+    "Make a checklist of {n} steps to get started with {topic}.", "List {n} pros and cons of {topic}.",
+    "Suggest {n} ideas for a school project about {topic}.", "What are {n} common mistakes people make with {topic}?",
+]
+
+STORY_WHO = ["a young wizard", "a lost robot", "a brave little mouse", "an old fisherman", "a curious girl",
+             "a dragon who is afraid of fire", "two best friends", "a talking tree", "a detective cat",
+             "a space explorer", "a shy baker", "a pirate who cannot swim", "a grandmother and her grandson"]
+STORY_WHERE = ["in a small village", "on a distant planet", "in a big city", "under the sea", "in a magic forest",
+               "on a train", "in a snowy mountain town", "at a busy market", "in a castle", "on an island"]
+STORY = [
+    "Write a short story about {who} {where}.", "Tell me a bedtime story about {who}.",
+    "Write a poem about {topic}.", "Write a haiku about {topic}.", "Write a short funny story about {who} {where}.",
+    "Write the opening paragraph of an adventure story about {who}.", "Write a limerick about {who}.",
+    "Write a short dialogue between {who} and {who2}.", "Write a four-line poem about {topic}.",
+]
+
+LETTER = [
+    "Write a short email to my team announcing a meeting about {topic} next Monday.",
+    "Write a thank-you note to a friend who helped me move.", "Write a polite email asking my landlord to fix the heating.",
+    "Write a short product description for a new {product}.", "Write a tweet announcing a workshop about {topic}.",
+    "Write a short speech to welcome new members to a {topic} club.", "Write an invitation to a {topic} party.",
+    "Write a short review of an imaginary {product}.", "Write a cover letter opening for a job at a {topic} company.",
+]
+PRODUCTS = ["water bottle", "backpack", "desk lamp", "coffee maker", "pair of running shoes", "phone case", "notebook",
+            "bicycle helmet", "electric toothbrush", "board game"]
+
+ADVICE = [
+    "How can I improve my {skill}?", "What is a good daily routine for {goal}?", "How do I {goal}?",
+    "Give me a simple plan to {goal} in one month.", "What should I consider before {decision}?",
+]
+SKILLS = ["writing", "memory", "handwriting", "sleep", "cooking", "math skills", "listening skills", "posture", "focus"]
+GOALS = ["learn to cook", "get fit", "read more books", "learn to play guitar", "save for a vacation",
+         "keep my room tidy", "drink more water", "learn to draw", "wake up earlier", "reduce screen time"]
+DECISIONS = ["buying a car", "adopting a dog", "moving abroad", "changing careers", "starting a blog", "buying a laptop"]
+
+SENTENCE_SUBJ = ["My brother", "The teacher", "Our neighbors", "The little girl", "My friend", "The old man", "We", "They"]
+SENTENCE_VERB = ["likes to visit", "went to", "is going to", "often talks about", "wants to see", "forgot about",
+                 "was happy about", "will write about"]
+SENTENCE_OBJ = ["the market on Saturday", "the museum in the city", "the new library", "the beach last summer",
+                "a small cafe near the station", "the football match", "her garden", "the history exam",
+                "the park after school", "the birthday party"]
+TRANSLATE_TO = ["French", "Spanish", "German", "Italian", "Portuguese", "Chinese", "Japanese", "Dutch", "Russian"]
+TRANSLATE = [
+    "Translate into {lang}: \"{text}\"", "How do you say \"{text}\" in {lang}?",
+    "Translate this sentence to {lang}: {text}", "Please translate the following into {lang}.\n{text}",
+]
+
+PASSAGE = [
+    "Write a short paragraph about {topic}.", "Write a short news report about a local event related to {topic}.",
+    "Write a short blog post about {topic}.", "Write a brief description of {topic} for an encyclopedia.",
+]
+
+KINDS = [("chat", 10), ("explanation", 16), ("compare", 5), ("code", 14), ("math", 12), ("list", 9), ("story", 9),
+         ("letter", 6), ("advice", 6), ("translation", 7), ("passage", 6)]
+
+
+def _fill(rng: random.Random, kind: str) -> str:
+    topic = rng.choice(TOPICS)
+    if kind == "chat":
+        return rng.choice(CHAT).format(topic=topic)
+    if kind == "explanation":
+        return rng.choice(EXPLAIN).format(topic=topic, audience=rng.choice(AUDIENCES))
+    if kind == "compare":
+        a, b = rng.choice(PAIRS)
+        return rng.choice(COMPARE).format(a=a, b=b)
+    if kind == "code":
+        if rng.random() < 0.75:
+            return rng.choice(CODE).format(lang=rng.choice(LANGS), task=rng.choice(CODE_TASKS))
+        return rng.choice(CODE_OTHER).format(concept=rng.choice(CONCEPTS), lang=rng.choice(LANGS))
+    if kind == "math":
+        return _math(rng)
+    if kind == "list":
+        return rng.choice(LIST).format(n=rng.choice([3, 4, 5, 5, 6, 7]), topic=topic)
+    if kind == "story":
+        who, who2 = rng.sample(STORY_WHO, 2)
+        return rng.choice(STORY).format(who=who, who2=who2, where=rng.choice(STORY_WHERE), topic=topic)
+    if kind == "letter":
+        return rng.choice(LETTER).format(topic=topic, product=rng.choice(PRODUCTS))
+    if kind == "advice":
+        return rng.choice(ADVICE).format(skill=rng.choice(SKILLS), goal=rng.choice(GOALS), decision=rng.choice(DECISIONS))
+    if kind == "translation":
+        text = f"{rng.choice(SENTENCE_SUBJ)} {rng.choice(SENTENCE_VERB)} {rng.choice(SENTENCE_OBJ)}."
+        return rng.choice(TRANSLATE).format(lang=rng.choice(TRANSLATE_TO), text=text)
+    if kind == "passage":
+        return rng.choice(PASSAGE).format(topic=topic)
+    raise ValueError(kind)
+
+
+def generate_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct single-turn prompts, mixed over KINDS by weight; deterministic in seed."""
+    rng = random.Random(seed)
+    kinds, weights = zip(*KINDS)
+    seen: set[str] = set()
+    out: list[dict] = []
+    attempts = 0
+    while len(out) < n and attempts < 50 * n:
+        attempts += 1
+        kind = rng.choices(kinds, weights)[0]
+        text = _fill(rng, kind)
+        if text in seen:
+            continue
+        seen.add(text)
+        out.append({"id": f"s{seed}-{len(out)}", "kind": kind, "messages": [{"role": "user", "content": text}]})
+    return out
+
+
+PASSAGE_TASKS = [
+    ("summarize", "Summarize the following text in two sentences.\n\n{text}"),
+    ("summarize", "{text}\n\nWrite a one-sentence summary of the text above."),
+    ("summarize", "Give a short summary of this paragraph:\n{text}"),
+    ("rewrite", "Rewrite the following text in simpler words:\n\n{text}"),
+    ("rewrite", "Rewrite this paragraph in a more formal tone.\n\n{text}"),
+    ("extract", "Read the text below and list the key facts it mentions as bullet points.\n\n{text}"),
+    ("extract", "{text}\n\nExtract every noun phrase that names a thing or a place from the text above."),
+    ("question", "{text}\n\nBased on the text above, what is the main idea? Answer briefly."),
+    ("question", "Here is a paragraph:\n{text}\n\nWrite three questions that can be answered from it."),
+    ("title", "Suggest a good title for this text:\n\n{text}"),
+]
+
+FOLLOW_UPS = ["Can you make it shorter?", "Now explain it in simpler words.", "Give me one more example.",
+              "Can you turn that into a bulleted list?", "Thanks! Can you add a short conclusion?",
+              "Rewrite your answer in a more cheerful tone."]
+
+
+def passage_tasks(passages: list[str], seed: int = 0) -> list[dict]:
+    """Prompts that work on text the target wrote itself (summarize / rewrite / extract / ...)."""
+    rng = random.Random(seed + 7919)
+    out = []
+    for i, text in enumerate(passages):
+        kind, template = rng.choice(PASSAGE_TASKS)
+        out.append({"id": f"p{seed}-{i}", "kind": kind,
+                    "messages": [{"role": "user", "content": template.format(text=text.strip())}]})
+    return out
+
+
+def follow_up(messages: list[dict], answer: str, seed: int) -> list[dict]:
+    """A second turn on a finished first turn."""
+    rng = random.Random(seed)
+    return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
