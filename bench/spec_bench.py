@@ -117,20 +117,22 @@ def engine_runner(engine, max_tokens: int) -> Runner:
 
 def hf_runner(model, max_tokens: int, eos_ids: list[int], **generate_kwargs) -> Runner:
     """transformers generate, one prompt at a time; verify steps = target forward calls."""
-    calls = [0]
-    model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
 
     @torch.inference_mode()
     def run(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
         results = []
         for ids in prompts:
             input_ids = torch.tensor([ids], dtype=torch.long)
-            calls[0] = 0
-            out = model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
-                do_sample=False, temperature=None, top_p=None, top_k=None,
-                eos_token_id=eos_ids, pad_token_id=eos_ids[0], **generate_kwargs,
-            )
+            calls = [0]
+            hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+            try:
+                out = model.generate(
+                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                    do_sample=False, temperature=None, top_p=None, top_k=None,
+                    eos_token_id=eos_ids, pad_token_id=eos_ids[0], **generate_kwargs,
+                )
+            finally:
+                hook.remove()
             results.append((out[0, len(ids):].tolist(), calls[0]))
         return results
 

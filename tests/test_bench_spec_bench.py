@@ -62,11 +62,11 @@ def test_spec_bench_draft_configs(tiny_target, tiny_standalone, tiny_eagle3_own,
     out = tmp_path / "drafts.json"
     result = spec_bench.main([
         "--model", str(tiny_target), "--questions", str(questions), "--per-category", "2",
-        "--max-tokens", "8", "--configs", "none,eagle3-tree,standalone,eagle3", "--no-hf",
+        "--max-tokens", "8", "--configs", "none,eagle3-tree,standalone,eagle3",
         "--draft-eagle3", str(tiny_eagle3_own), "--draft-standalone", str(tiny_standalone),
         "--out", str(out), "--threads", "1",
     ])
-    _check(result, ["none", "eagle3-tree", "standalone", "eagle3"])
+    _check(result, ["none", "eagle3-tree", "standalone", "eagle3", "hf", "hf-prompt-lookup", "hf-assisted"])
     assert not out.with_suffix(".png").exists()
 
 

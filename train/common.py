@@ -1,0 +1,293 @@
+"""Shared by the trainers: sequences from `train.data` output, target features (aux hidden
+states and top-k logits, computed once with our own target forward and cached as
+safetensors shards), token-frequency vocabularies, batching, logs, plots, model cards."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from models.attention import AttentionMetadata
+from models.build import ModelSource, build_target
+
+DEFAULT_DATA = Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph") / "train"
+
+
+# ---- sequences ------------------------------------------------------------------------
+
+@dataclass
+class Sequence:
+    tokens: list[int]  # prompt + response
+    num_prompt: int  # loss on positions >= num_prompt (the target's own tokens)
+
+
+def load_sequences(data_dir: Path, max_len: int = 512, modes: tuple[str, ...] | None = None) -> list[Sequence]:
+    """Records of `responses.jsonl` as sequences, truncated to max_len, deterministic order."""
+    out = []
+    path = Path(data_dir) / "responses.jsonl"
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        if modes and not any(r["mode"].startswith(m) for m in modes):
+            continue
+        tokens = (r["prompt_ids"] + r["output_ids"])[:max_len]
+        if len(tokens) - len(r["prompt_ids"]) < 2:
+            continue
+        out.append(Sequence(tokens, len(r["prompt_ids"])))
+    return out
+
+
+def split_holdout(seqs: list[Sequence], frac: float, seed: int = 0) -> tuple[list[Sequence], list[Sequence]]:
+    idx = list(range(len(seqs)))
+    random.Random(seed).shuffle(idx)
+    n = max(1, int(len(seqs) * frac)) if frac > 0 and len(seqs) > 1 else 0
+    held = set(idx[:n])
+    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
+
+
+def draft_vocab(seqs: list[Sequence], vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The draft_vocab_size target ids most frequent as predicted (response) tokens, topped up
+    with prompt tokens and then the lowest ids (BPE merge order); sorted. Returns (ids, coverage)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    prompt_counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.tokens[s.num_prompt:]), minlength=vocab_size)
+        prompt_counts += torch.bincount(torch.tensor(s.tokens[: s.num_prompt]), minlength=vocab_size)
+    # Lexicographic score: response count, then prompt count, then small id first.
+    score = counts.double() * 1e9 + prompt_counts.double().clamp_max(1e8) + (1 - torch.arange(vocab_size) / vocab_size)
+    ids = score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
+    coverage = float(counts[ids].sum()) / max(1, int(counts.sum()))
+    return ids, coverage
+
+
+def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t (target id = draft id + d2t[draft id]) and t2d (bool mask of target ids in the draft vocab)."""
+    d2t = ids - torch.arange(ids.numel())
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return d2t, t2d
+
+
+# ---- target features ------------------------------------------------------------------
+
+class TargetFeaturizer:
+    """Our own target forward (same code as serving) over whole sequences, batched as ragged
+    requests: aux hidden states (inputs of `aux_layer_ids`) and the top-k logits per position."""
+
+    def __init__(self, target: str, aux_layer_ids: list[int] | None, topk: int = 32, device="cpu"):
+        self.source = ModelSource.resolve(target)
+        self.model = build_target(self.source, torch.float32, device)
+        self.aux_ids = aux_layer_ids
+        self.topk = topk
+        self.device = device
+
+    @torch.inference_mode()
+    def __call__(self, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+        lens = [len(s) for s in seqs]
+        total = sum(lens)
+        kv = self.model.make_kv_pool(total, torch.float32, self.device)
+        slots = list(torch.arange(total).split(lens))
+        positions = torch.cat([torch.arange(n) for n in lens])
+        meta = AttentionMetadata.build([torch.zeros(0, dtype=torch.long)] * len(seqs), slots, positions,
+                                       [None] * len(seqs), self.device)
+        ids = torch.tensor([t for s in seqs for t in s], device=self.device)
+        hidden, aux = self.model(ids, meta, kv, self.aux_ids)
+        top_vals, top_ids = [], []
+        for chunk in hidden.split(256):
+            values, index = self.model.logits(chunk).topk(self.topk, dim=-1)
+            top_vals.append(values.half())
+            top_ids.append(index.int())
+        out = {"topk_logits": torch.cat(top_vals).cpu(), "topk_ids": torch.cat(top_ids).cpu()}
+        if aux is not None:
+            out["aux"] = aux.half().cpu()
+        return out
+
+
+def _fingerprint(seqs: list[Sequence], aux_layer_ids, topk) -> str:
+    import hashlib
+
+    h = hashlib.sha256(json.dumps([aux_layer_ids, topk]).encode())
+    for s in seqs:
+        h.update(json.dumps([s.num_prompt, s.tokens]).encode())
+    return h.hexdigest()[:16]
+
+
+def cache_features(featurizer: TargetFeaturizer, seqs: list[Sequence], cache_dir: Path, shard_size: int = 64,
+                   token_budget: int = 2048, desc: str = "target features") -> list[Path]:
+    """Compute features for every sequence once; shards are reused on rerun (resumable)."""
+    from tqdm import tqdm
+
+    cache_dir = Path(cache_dir) / _fingerprint(seqs, featurizer.aux_ids, featurizer.topk)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    starts = list(range(0, len(seqs), shard_size))
+    bar = tqdm(total=sum(len(s.tokens) for s in seqs), desc=desc, unit="tok", mininterval=10)
+    for n, start in enumerate(starts):
+        path = cache_dir / f"shard{n:05d}.safetensors"
+        part = seqs[start : start + shard_size]
+        shards.append(path)
+        if not path.is_file():
+            pieces: list[dict[str, torch.Tensor]] = []
+            group: list[list[int]] = []
+            for s in part + [None]:
+                if s is None or (group and sum(map(len, group)) + len(s.tokens) > token_budget):
+                    pieces.append(featurizer(group))
+                    group = []
+                if s is not None:
+                    group.append(s.tokens)
+            tensors = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+            tensors["tokens"] = torch.tensor([t for s in part for t in s.tokens])
+            tensors["num_prompt"] = torch.tensor([s.num_prompt for s in part])
+            tensors["lens"] = torch.tensor([len(s.tokens) for s in part])
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+        bar.update(sum(len(s.tokens) for s in part))
+    bar.close()
+    return shards
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # (T,) long
+    loss_mask: torch.Tensor  # (T,) bool: position holds a response token
+    topk_ids: torch.Tensor  # (T, K) int: the target's top-k for the token AFTER each position
+    topk_logits: torch.Tensor  # (T, K) half
+    aux: torch.Tensor | None  # (T, A) half
+
+
+def load_examples(shards: list[Path], keep=lambda i: True, with_aux: bool = True) -> list[Example]:
+    out, index = [], 0
+    for path in shards:
+        t = load_file(str(path))
+        offset = 0
+        for n, p in zip(t["lens"].tolist(), t["num_prompt"].tolist()):
+            if keep(index):
+                sl = slice(offset, offset + n)
+                mask = torch.zeros(n, dtype=torch.bool)
+                mask[p:] = True
+                out.append(Example(t["tokens"][sl].long(), mask, t["topk_ids"][sl], t["topk_logits"][sl],
+                                   t["aux"][sl] if with_aux and "aux" in t else None))
+            offset += n
+            index += 1
+    return out
+
+
+def make_batches(examples: list[Example], token_budget: int, seed: int) -> list[list[int]]:
+    """Length-bucketed batches of about token_budget padded tokens, shuffled by seed."""
+    rng = random.Random(seed)
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i].tokens), rng.random()))
+    batches, current, longest = [], [], 0
+    for i in order:
+        n = len(examples[i].tokens)
+        if current and max(longest, n) * (len(current) + 1) > token_budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, n)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def pad_batch(examples: list[Example]) -> dict[str, torch.Tensor]:
+    b, t = len(examples), max(len(e.tokens) for e in examples)
+    k = examples[0].topk_ids.shape[1]
+    out = {
+        "tokens": torch.zeros(b, t, dtype=torch.long),
+        "valid": torch.zeros(b, t, dtype=torch.bool),
+        "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+        "topk_ids": torch.zeros(b, t, k, dtype=torch.long),
+        "topk_logits": torch.full((b, t, k), -1e4, dtype=torch.float32),
+    }
+    if examples[0].aux is not None:
+        out["aux"] = torch.zeros(b, t, examples[0].aux.shape[1], dtype=torch.float32)
+    for i, e in enumerate(examples):
+        n = len(e.tokens)
+        out["tokens"][i, :n] = e.tokens
+        out["valid"][i, :n] = True
+        out["loss_mask"][i, :n] = e.loss_mask
+        out["topk_ids"][i, :n] = e.topk_ids.long()
+        out["topk_logits"][i, :n] = e.topk_logits.float()
+        if e.aux is not None:
+            out["aux"][i, :n] = e.aux.float()
+    return out
+
+
+def soft_targets(topk_ids: torch.Tensor, topk_logits: torch.Tensor, t2d_index: torch.Tensor,
+                 draft_vocab_size: int) -> torch.Tensor:
+    """(..., K) target top-k -> (..., Vd) distribution over the draft vocab (entries outside the
+    draft vocab are dropped and the rest renormalised). t2d_index: target id -> draft id or -1."""
+    draft_ids = t2d_index[topk_ids]  # (..., K)
+    logits = topk_logits.masked_fill(draft_ids < 0, -1e4)
+    probs = logits.softmax(-1)
+    out = torch.zeros(*topk_ids.shape[:-1], draft_vocab_size, dtype=probs.dtype)
+    return out.scatter_add_(-1, draft_ids.clamp_min(0), probs * (draft_ids >= 0))
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ---- logs, plots, cards ---------------------------------------------------------------
+
+def append_log(path: Path, record: dict) -> None:
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def read_log(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_losses(log_path: Path, png: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_log(log_path)
+    train = [r for r in rows if r.get("kind") == "train"]
+    held = [r for r in rows if r.get("kind") == "eval"]
+    if not train:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in train]
+    window = max(1, len(train) // 50)
+    smooth = [sum(r["loss"] for r in train[max(0, i - window + 1) : i + 1]) / len(train[max(0, i - window + 1) : i + 1])
+              for i in range(len(train))]
+    ax.plot(steps, [r["loss"] for r in train], alpha=0.25, color="C0")
+    ax.plot(steps, smooth, color="C0", label="train loss")
+    if held:
+        ax.plot([r["step"] for r in held], [r["loss"] for r in held], "o-", color="C1", label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+class Timer:
+    def __init__(self, elapsed: float = 0.0):
+        self.start = time.time() - elapsed
+
+    @property
+    def elapsed(self) -> float:
+        return time.time() - self.start

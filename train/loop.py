@@ -1,0 +1,182 @@
+"""The training loop shared by the trainers: one Ray Train worker (`TorchTrainer`, DDP over
+gloo on CPU or NCCL on GPU), or the whole job in-process with `--no-ray`. Rank 0 logs,
+evaluates on held-out sequences, and writes resumable state plus the draft folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from train import common
+
+
+def build(cfg: dict, state_dir: Path):
+    """(trainable module whose forward(batch) -> (loss, [(loss_k, acc_k, n_k)]), inner model, save(final))."""
+    if cfg["kind"] == "eagle3":
+        from train.eagle3 import TTTModel, new_draft, save_draft
+
+        draft_cfg = json.loads((state_dir / "config.json").read_text())
+        init = torch.load(state_dir / "init.pt", weights_only=True)
+        draft = new_draft(draft_cfg, init["embed"], init.get("norm"), init["d2t"], init["t2d"], cfg["seed"])
+        return TTTModel(draft, cfg["ttt_steps"], cfg["decay"]), draft, \
+            lambda out, dtype: save_draft(draft, draft_cfg, out, dtype)
+    from train.standalone import DistillModel, new_student, save_student
+
+    student = new_student(state_dir)
+    return DistillModel(student), student, lambda out, dtype: save_student(student, state_dir, out, dtype)
+
+
+def _batch_plan(shards: list[str], token_budget: int, epoch_seed: int, world: int) -> list[list[int]]:
+    from safetensors import safe_open
+
+    lens = []
+    for path in shards:
+        with safe_open(path, framework="pt") as handle:
+            lens += handle.get_tensor("lens").tolist()
+
+    class _Len:
+        def __init__(self, n):
+            self.tokens = range(n)
+
+    batches = common.make_batches([_Len(n) for n in lens], token_budget, epoch_seed)
+    usable = len(batches) - len(batches) % world
+    return batches[:usable]
+
+
+def train_loop(cfg: dict) -> None:
+    """Runs on every worker: its share of the batches, DDP when world > 1, rank 0 checkpoints."""
+    torch.set_num_threads(cfg["threads"])
+    if cfg["use_ray"]:
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    else:
+        rank, world = 0, 1
+    out, state_dir = Path(cfg["out"]), Path(cfg["state_dir"])
+    state_path = state_dir / "state.pt"
+    model, inner, save = build(cfg, state_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    step, elapsed = 0, 0.0
+    if cfg["resume"] and state_path.is_file():
+        state = torch.load(state_path, weights_only=False)
+        inner.load_state_dict(state["model"], strict=False)
+        optim.load_state_dict(state["optim"])
+        step, elapsed = state["step"], state["elapsed"]
+    if cfg["use_ray"]:
+        model = ray.train.torch.prepare_model(model, move_to_device=False)
+    device = torch.device("cpu")
+    if cfg["use_gpu"] and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        model.to(device)
+
+    plans = [_batch_plan(cfg["shards"], cfg["token_budget"], cfg["seed"] + e, world) for e in range(cfg["epochs"])]
+    per_epoch = len(plans[0]) // world
+    total_steps = per_epoch * cfg["epochs"]
+    if cfg["max_steps"]:
+        total_steps = min(total_steps, cfg["max_steps"])
+    needed = {i for plan in plans for bi, batch in enumerate(plan) if bi % world == rank for i in batch}
+    examples = dict(zip(sorted(needed), common.load_examples(cfg["shards"], keep=lambda i: i in needed, with_aux=cfg["kind"] == "eagle3")))
+    held = common.load_examples(cfg["held_shards"], with_aux=cfg["kind"] == "eagle3") if cfg["held_shards"] and rank == 0 else []
+
+    log_path = state_dir / "log.jsonl"
+    timer = common.Timer(elapsed)
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total_steps, initial=step, desc=cfg["kind"], mininterval=10, file=sys.stdout)
+
+    def to_dev(batch):
+        return {k: v.to(device) for k, v in batch.items()}
+
+    def evaluate():
+        module = model.module if hasattr(model, "module") else model
+        module.eval()
+        sums = [[0.0, 0.0, 0] for _ in range(cfg["ttt_steps"])]
+        with torch.no_grad():
+            for i in range(0, len(held), 8):
+                _, stats = module(to_dev(common.pad_batch(held[i : i + 8])))
+                for s, (l, a, n) in zip(sums, stats):
+                    s[0] += l * n
+                    s[1] += a * n
+                    s[2] += n
+        module.train()
+        loss = sum(cfg["decay"] ** k * s[0] / max(1, s[2]) for k, s in enumerate(sums))
+        return {"loss": loss, "acc": [s[1] / max(1, s[2]) for s in sums]}
+
+    def checkpoint(final=False):
+        if rank != 0:
+            return
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"model": inner.state_dict(), "optim": optim.state_dict(), "step": step,
+                    "elapsed": timer.elapsed}, tmp)
+        os.replace(tmp, state_path)
+        save(out, torch.float32 if not final else cfg["save_dtype"])
+        common.plot_losses(log_path, out / "loss.png", f"{cfg['kind']} draft for {cfg['target']}")
+
+    model.train()
+    while step < total_steps:
+        epoch, index = divmod(step, per_epoch)
+        batch_ids = plans[epoch][index * world + rank]
+        batch = to_dev(common.pad_batch([examples[i] for i in batch_ids]))
+        for group in optim.param_groups:
+            group["lr"] = common.lr_at(step, total_steps, cfg["lr"], cfg["warmup"])
+        loss, stats = model(batch)
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optim.step()
+        step += 1
+        record = {"kind": "train", "step": step, "epoch": epoch, "loss": float(loss),
+                  "loss_k": [s[0] for s in stats], "acc_k": [s[1] for s in stats],
+                  "lr": optim.param_groups[0]["lr"], "time": round(timer.elapsed, 1)}
+        if rank == 0:
+            common.append_log(log_path, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", acc=",".join(f"{s[1]:.2f}" for s in stats))
+        if cfg["use_ray"]:
+            ray.train.report({k: v for k, v in record.items() if k != "kind"})
+        last = step == total_steps
+        if rank == 0 and (step % cfg["save_every"] == 0 or last):
+            if held and (step % cfg["eval_every"] == 0 or last):
+                common.append_log(log_path, {"kind": "eval", "step": step, **evaluate()})
+            checkpoint(final=last)
+    if rank == 0:
+        bar.close()
+        if step >= total_steps and not (out / "model.safetensors").is_file():
+            checkpoint(final=True)
+
+
+def run(cfg: dict, num_workers: int) -> None:
+    if not cfg["use_ray"]:
+        train_loop(cfg)
+        return
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=max(num_workers, 2), include_dashboard=False, log_to_driver=True,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg["threads"])}})
+    try:
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config=cfg,
+            scaling_config=ScalingConfig(num_workers=num_workers, use_gpu=cfg["use_gpu"],
+                                         resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=str(Path(cfg["state_dir"]) / "ray"), name=cfg["kind"]),
+        )
+        trainer.fit()
+    finally:
+        if started:
+            ray.shutdown()
+
+

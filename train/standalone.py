@@ -1,0 +1,215 @@
+"""Standalone draft LM distilled from the target (same vocabulary, KL to the target's
+distribution on the target's own answers).
+
+    python -m train.standalone --target smollm2-135m-instruct --out drafts/smollm2-135m-instruct-standalone \
+        [--hidden 256 --layers 4 --heads 4 --kv-heads 2 --intermediate 768] [--epochs 2] [--resume]
+
+The student is a small Llama with tied embeddings initialised from the target's embedding
+matrix projected onto its top `hidden` principal directions. Saved as a Hugging Face folder
+(config.json + model.safetensors + the target's tokenizer files) that
+`models.build.build_draft(STANDALONE, ...)` loads. Training runs under Ray Train like
+`train.eagle3` (shared loop in `train.loop`); target features come from the same cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from train import common, loop
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def student_config(target_cfg: dict, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": target_cfg["vocab_size"],
+        "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "intermediate_size": intermediate,
+        "hidden_act": "silu", "rms_norm_eps": target_cfg.get("rms_norm_eps", 1e-5),
+        "max_position_embeddings": target_cfg.get("max_position_embeddings", 4096), "tie_word_embeddings": True,
+        "attention_bias": False, "mlp_bias": False,
+    }
+    for key in ("rope_parameters", "rope_theta", "rope_scaling", "bos_token_id", "eos_token_id", "pad_token_id"):
+        if target_cfg.get(key) is not None:
+            config[key] = target_cfg[key]
+    return config
+
+
+def projected_embeddings(embed: torch.Tensor, hidden: int) -> torch.Tensor:
+    """(V, Ht) -> (V, hidden): the target embeddings on their top principal directions, rescaled
+    to the target's per-row norm scale."""
+    centered = embed - embed.mean(0, keepdim=True)
+    _, _, vh = torch.linalg.svd(centered[:: max(1, embed.shape[0] // 8192)], full_matrices=False)
+    basis = vh[:hidden].T  # (Ht, h)
+    out = embed @ basis
+    if out.shape[1] < hidden:
+        out = torch.cat([out, torch.randn(embed.shape[0], hidden - out.shape[1]) * 0.02], dim=1)
+    return out * (embed.norm(dim=1).mean() / out.norm(dim=1).mean().clamp_min(1e-6))
+
+
+def new_student(state_dir: Path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads((Path(state_dir) / "config.json").read_text())
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config))
+    init = torch.load(Path(state_dir) / "init.pt", weights_only=True)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.copy_(init["embed"])
+    model.tie_weights()
+    return model
+
+
+def save_student(model, state_dir: Path, out: Path, dtype: torch.dtype) -> None:
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
+    (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+    config = json.loads((Path(state_dir) / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps(dict(config, torch_dtype=str(dtype).replace("torch.", "")), indent=2))
+    target = Path(json.loads((Path(state_dir) / "target.json").read_text())["folder"])
+    for name in TOKENIZER_FILES:
+        if (target / name).is_file():
+            shutil.copy(target / name, out / name)
+
+
+class DistillModel(nn.Module):
+    """forward(batch) -> (soft CE to the target's top-k distribution on response tokens, stats)."""
+
+    def __init__(self, student):
+        super().__init__()
+        self.student = student
+
+    def forward(self, batch: dict[str, torch.Tensor]):
+        tokens, valid, loss_mask = batch["tokens"], batch["valid"], batch["loss_mask"]
+        hidden = self.student.model(input_ids=tokens, attention_mask=valid.long()).last_hidden_state  # (B, T, H)
+        # Position p predicts token p+1; learn where p+1 is a response token.
+        sel = torch.cat([loss_mask[:, 1:], torch.zeros_like(loss_mask[:, :1])], dim=1) & valid
+        logits = self.student.lm_head(hidden[sel]).float()  # (N, V)
+        probs = batch["topk_logits"][sel].softmax(-1)
+        logp = F.log_softmax(logits, -1).gather(-1, batch["topk_ids"][sel])
+        loss = -(probs * logp).sum(-1).mean()
+        acc = (logits.argmax(-1) == batch["topk_ids"][sel][:, 0]).float().mean()
+        return loss, [(float(loss), float(acc), int(sel.sum()))]
+
+
+def work_dir(args) -> Path:
+    return Path(args.work_dir).expanduser() if args.work_dir else common.DEFAULT_DATA / "runs" / Path(args.out).name
+
+
+def prepare(args) -> dict:
+    from models.build import ModelSource
+    from models.loader import TensorSource
+    from spec.shapes import get_target_aux_layer_ids
+
+    out, state_dir = Path(args.out), work_dir(args)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    target = ModelSource.resolve(args.target)
+    target_cfg = json.loads((target.folder / "config.json").read_text())
+    data_dir = Path(args.data).expanduser()
+    seqs = common.load_sequences(data_dir, args.max_len, tuple(args.modes.split(",")) if args.modes else None)
+    if args.max_sequences:
+        seqs = seqs[: args.max_sequences]
+    train_seqs, held_seqs = common.split_holdout(seqs, args.holdout, args.seed)
+    if not (args.resume and (state_dir / "config.json").is_file()):
+        config = student_config(target_cfg, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
+        embed = TensorSource(target.folder).get("model.embed_tokens.weight").float()
+        torch.save({"embed": projected_embeddings(embed, args.hidden)}, state_dir / "init.pt")
+        (state_dir / "config.json").write_text(json.dumps(config, indent=2))
+        (state_dir / "target.json").write_text(json.dumps({"folder": str(target.folder)}))
+        for stale in ("log.jsonl", "state.pt"):
+            (state_dir / stale).unlink(missing_ok=True)
+    torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
+    # Same cache key as train.eagle3 (aux ids included), so one target pass serves both trainers.
+    featurizer = common.TargetFeaturizer(args.target, get_target_aux_layer_ids(target.config, None), args.topk)
+    cache = data_dir / "features"
+    shards = common.cache_features(featurizer, train_seqs, cache, desc="target features (train)")
+    held = common.cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []
+    del featurizer
+    info = {"sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
+            "tokens": sum(len(s.tokens) for s in train_seqs),
+            "response_tokens": sum(len(s.tokens) - s.num_prompt for s in train_seqs),
+            "student": f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+                       f"intermediate {args.intermediate}, tied embeddings"}
+    (state_dir / "data_info.json").write_text(json.dumps(info, indent=2))
+    print(json.dumps(info))
+    return {
+        "kind": "standalone", "out": str(out.resolve()), "state_dir": str(state_dir.resolve()), "target": args.target,
+        "shards": [str(p) for p in shards], "held_shards": [str(p) for p in held], "epochs": args.epochs,
+        "max_steps": args.max_steps, "token_budget": args.token_budget, "lr": args.lr, "warmup": args.warmup,
+        "ttt_steps": 1, "decay": 1.0, "seed": args.seed, "threads": args.threads, "resume": args.resume,
+        "save_every": args.save_every, "eval_every": args.eval_every, "use_gpu": args.use_gpu,
+        "save_dtype": {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.save_dtype],
+        "use_ray": not args.no_ray,
+    }
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--out", required=True)
+    p.add_argument("--data", default=str(common.DEFAULT_DATA / "smollm2"))
+    p.add_argument("--modes", default="")
+    p.add_argument("--max-sequences", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--holdout", type=float, default=0.03)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--token-budget", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--no-ray", action="store_true")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--work-dir", default="")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", default="")
+    p.add_argument("--eval-n", type=int, default=40)
+    p.add_argument("--eval-max-tokens", type=int, default=128)
+    p.add_argument("--eval-steps", type=int, default=3)
+    return p
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    start = time.time()
+    cfg = prepare(args)
+    loop.run(cfg, args.num_workers)
+    summary = {"wall_s": round(time.time() - start, 1)}
+    if args.eval_prompts:
+        from train.evaluate import measure_acceptance
+
+        summary["acceptance"] = measure_acceptance(args.target, str(Path(args.out)), "STANDALONE", args.eval_prompts,
+                                                   args.eval_n, args.eval_max_tokens, num_steps=args.eval_steps)
+    (work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
+    from train.card import write_card
+
+    write_card(Path(args.out), work_dir(args), "standalone", args.target, vars(args))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
