@@ -36,6 +36,9 @@ class _Timed:
     def ready(self) -> bool:
         return True
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 @ray.remote
 class TargetActor(_Timed):

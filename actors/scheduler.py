@@ -11,6 +11,7 @@ calls in one process, or a Ray compiled graph.
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -304,6 +305,8 @@ class DataParallelScheduler:
         self.ranks = ranks
         self.executor = executor  # execute_all([(meta, draft_input) per rank]) -> [(ext, draft_input)]
         self._next_rid = 0
+        self.execute_s = 0.0  # wall time spent inside executor.execute_all (benchmarks)
+        self.executed_steps = 0
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         rank = min(self.ranks, key=lambda r: (len(r.running) + len(r.waiting), r.reserved))
@@ -335,7 +338,10 @@ class DataParallelScheduler:
         plans = [rank.plan() for rank in self.ranks]
         if all(p.kind == "idle" for p in plans):
             return []
+        start = time.perf_counter()
         results = self.executor.execute_all([(p.meta, p.draft_input) for p in plans])
+        self.execute_s += time.perf_counter() - start
+        self.executed_steps += 1
         progressed: list[Request] = []
         for rank, plan, (ext, draft_input) in zip(self.ranks, plans, results):
             progressed += rank.commit(plan, ext, draft_input)

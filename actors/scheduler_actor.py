@@ -119,6 +119,8 @@ class SchedulerActor:
                 "kv_slots": sum(r.config.kv_slots for r in self.dp.ranks),
                 "restarts": self.runtime.restarts,
                 "speculating": not self.runtime.pending_drafts,
+                "execute_s": self.dp.execute_s,
+                "executed_steps": self.dp.executed_steps,
             }
 
     def actors(self) -> list:

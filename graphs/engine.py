@@ -100,16 +100,22 @@ class Engine:
     # ---- generation -----------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams | None = None) -> list[RequestOutput]:
-        return self._generate_ids([self.encode(p) for p in prompts], params or SamplingParams())
+        params = params or SamplingParams()
+        return self.generate_each([(p, params) for p in prompts])
 
     def chat(self, conversations: Sequence[Messages], params: SamplingParams | None = None) -> list[RequestOutput]:
-        return self._generate_ids([self.encode_chat(c) for c in conversations], params or SamplingParams())
+        params = params or SamplingParams()
+        return self._generate_ids([(self.encode_chat(c), params) for c in conversations])
+
+    def generate_each(self, requests: Sequence[tuple[Prompt | Messages, SamplingParams]]) -> list[RequestOutput]:
+        """Many requests, each with its own sampling parameters, batched together."""
+        return self._generate_ids([(self.encode(p), params) for p, params in requests])
 
     def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as steps complete (other requests progress meanwhile)."""
         return self._stream_ids(self.encode(prompt), params or SamplingParams())
 
-    def _generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
         raise NotImplementedError
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
@@ -126,8 +132,8 @@ class LocalEngine(Engine):
         super().__init__(config, tokenizer)
         self.scheduler = scheduler
 
-    def _generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        requests = [self.scheduler.find(self.scheduler.add_request(ids, params)) for ids in prompt_ids]
+    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+        requests = [self.scheduler.find(self.scheduler.add_request(ids, params)) for ids, params in requests]
         while any(r.finish_reason is None for r in requests):
             self.scheduler.step()
         return [r.output() for r in requests]

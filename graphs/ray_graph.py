@@ -50,8 +50,8 @@ class RayEngine(Engine):
         ).remote(config, self._pg, offset)
         ray.get(self.scheduler.stats.remote())  # surfaces construction errors here
 
-    def _generate_ids(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
-        return ray.get([self.scheduler.generate.remote(ids, params) for ids in prompt_ids])
+    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+        return ray.get([self.scheduler.generate.remote(ids, params) for ids, params in requests])
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         for event in self.stream_events(prompt_ids, params):

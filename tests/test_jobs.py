@@ -1,0 +1,134 @@
+"""`ray job submit` batch generation against a Ray head started by this test: every id
+answered once, a killed run resumed without duplicates, bad lines in the errors file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.batch_generate import completed_ids, parse_line, plan
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+
+def test_parse_line_reasons():
+    assert parse_line('{"id": 1, "prompt": "w1"}', 8)["params"]["max_tokens"] == 8
+    cases = {
+        "not json": "not valid JSON",
+        '{"prompt": "w1"}': "id",
+        '{"id": 1}': "prompt",
+        '{"id": 1, "prompt": "w1", "top_p": 2}': "top_p",
+        '{"id": 1, "messages": []}': "messages",
+        '{"id": 1, "prompt": "w1", "colour": 1}': "colour",
+    }
+    for line, reason in cases.items():
+        with pytest.raises(ValueError, match=reason):
+            parse_line(line, 8)
+
+
+def test_resume_cuts_a_torn_line_and_skips_done_ids(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "text": "a"}\n{"id": "x", "text": "b"}\n{"id": 3, "te')
+    assert completed_ids(out) == {"1", '"x"'}
+    assert out.read_text().endswith('"b"}\n')
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "w1"}\n{"id": 3, "prompt": "w2"}\n{"id": 3, "prompt": "w3"}\n')
+    pending, errors, done = plan(inp, out, 8)
+    assert [r["id"] for r in pending] == [3] and done == 2
+    assert errors[0]["line"] == 3 and "duplicate" in errors[0]["reason"]
+
+
+def _free_port(low: int, high: int) -> int:
+    for port in range(low, high):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port")
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head --block` on free ports (GCS in 63xx, dashboard in 8xxx), stopped at the end."""
+    gcs, dash = _free_port(6380, 6400), _free_port(8265, 8400)
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{VENV_BIN}:{os.environ['PATH']}")
+    log = open(tmp_path_factory.mktemp("head") / "head.log", "w")
+    head = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
+         "--dashboard-host=127.0.0.1", "--num-cpus=4", "--include-dashboard=true", "--disable-usage-stats"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        probe = subprocess.run([str(VENV_BIN / "ray"), "job", "list", "--address", address], env=env,
+                               capture_output=True, text=True)
+        if probe.returncode == 0:
+            break
+        time.sleep(1)
+    else:
+        head.terminate()
+        pytest.fail("ray head did not come up")
+    yield address, env
+    os.killpg(head.pid, signal.SIGTERM)
+    head.wait(timeout=60)
+    log.close()
+
+
+def _submit(address, env, args, wait=True):
+    cmd = [str(VENV_BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(REPO)]
+    if not wait:
+        cmd.append("--no-wait")
+    cmd += ["--", "python", "-m", "jobs.batch_generate", *args]
+    for _ in range(60):  # the head's job agent comes up a little after the dashboard
+        result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if "No available agent" not in result.stdout + result.stderr:
+            return result
+        time.sleep(1)
+    return result
+
+
+@pytest.mark.integration
+def test_ray_job_submit_is_complete_and_resumable(ray_head, tiny_target, tmp_path):
+    address, env = ray_head
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [json.dumps({"id": i, "prompt": f"w{i % 50} w{(i * 7) % 50}"}) for i in range(40)]
+    lines[5] = "{not json"
+    lines[9] = json.dumps({"id": 3, "prompt": "w1"})  # duplicate id
+    lines[12] = json.dumps({"id": 12, "prompt": "w1", "temperature": -2})
+    inp.write_text("\n".join(lines) + "\n")
+    args = ["--input", str(inp), "--output", str(out), "--model", str(tiny_target), "--max-tokens", "48",
+            "--batch-size", "2", "--speculative-algorithm", "ngram"]
+
+    first = _submit(address, env, args, wait=False)
+    assert first.returncode == 0, first.stderr
+    job_id = next(w for w in first.stdout.split() if w.startswith("raysubmit_"))
+    deadline = time.time() + 300
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 4):
+        time.sleep(0.5)
+    stop = subprocess.run([str(VENV_BIN / "ray"), "job", "stop", "--address", address, job_id],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    partial = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.endswith("}")}
+    assert 4 <= len(partial) < 37, "the first run must be interrupted midway"
+
+    second = _submit(address, env, args)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert '"summary"' in second.stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ids = [r["id"] for r in rows]
+    assert sorted(ids) == sorted(set(range(40)) - {5, 9, 12}) and len(ids) == len(set(ids)) == 37
+    assert all(r["num_output_tokens"] == 48 and r["finish_reason"] == "length" for r in rows)
+    errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [e["line"] for e in errors] == [6, 10, 13]
