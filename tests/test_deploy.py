@@ -1,0 +1,54 @@
+"""The deployment configs validate with Ray's own schemas and agree with each other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app import split_args
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def _serve_config() -> dict:
+    return yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+
+
+def test_serve_config_validates_and_autoscales():
+    schema = ServeDeploySchema.model_validate(_serve_config())
+    app = schema.applications[0]
+    assert app.import_path == "serve_app:build_app"
+    engine = next(d for d in app.deployments if d.name == "SpecEngine")
+    scaling = engine.autoscaling_config
+    assert scaling["min_replicas"] == 1 < scaling["max_replicas"]
+    for key in ("target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"):
+        assert key in scaling
+    # The application args are accepted by the app builder (engine config validated too).
+    engine_kwargs, settings = split_args(app.args)
+    assert engine_kwargs["model"] == "smollm2-135m-instruct"
+    assert settings.max_replicas == scaling["max_replicas"]
+
+
+def test_cluster_config_validates():
+    config = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))  # fills defaults the way `ray up` does, then checks the schema
+    workers = {k: v for k, v in config["available_node_types"].items() if k != config["head_node_type"]}
+    assert {"cpu_worker", "gpu_worker"} <= set(workers)
+    assert all(v["min_workers"] < v["max_workers"] for v in workers.values())
+    assert workers["gpu_worker"]["resources"]["GPU"] >= 1
+    assert any("make setup" in c for c in config["setup_commands"])
+    assert any("serve deploy deploy/serve_config.yaml" in c for c in config["head_start_ray_commands"])
+
+
+def test_kuberay_service_uses_the_same_serve_config():
+    service = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    assert service["apiVersion"] == "ray.io/v1" and service["kind"] == "RayService"
+    assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    serve_v2 = yaml.safe_load(service["spec"]["serveConfigV2"])
+    ServeDeploySchema.model_validate(serve_v2)
+    assert serve_v2["applications"] == _serve_config()["applications"]
+    groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert all(g["minReplicas"] < g["maxReplicas"] for g in groups)
