@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,10 @@ from spec.batch import BatchMeta, VerifyInput
 from spec.tree import ancestor_mask, chain_parents
 
 NUM_SLOTS = 4096
+
+
+def _progress(message: str) -> None:
+    print(f"[bench.runner] {message}", file=sys.stderr, flush=True)
 
 
 def _meta(seq_lens: list[int], kv_slots: torch.Tensor, verify_slots: torch.Tensor | None = None,
@@ -88,21 +93,26 @@ class _Requests:
         self.last = ext.next_tokens
         return elapsed
 
-    def verify_cost(self, n: int, warmup: int, steps: int) -> float:
-        """Median seconds of verifying an n-token chain (same context and slots every time)."""
-        batch = self.kv_slots.shape[0]
-        vslots = self.alloc.alloc(batch * n).view(batch, n)
-        tokens = torch.cat([self.last.view(batch, 1), _prompts(batch, n - 1, self.runner.model.shape.vocab_size, 1)], 1)
-        meta = _meta(self.seq_lens.tolist(), self.kv_slots, verify_slots=vslots)
-        verify = _chain(tokens, self.seq_lens)
-        times = []
+    def verify_costs(self, ns: list[int], warmup: int, steps: int) -> dict[int, float]:
+        """Median seconds of verifying an n-token chain, for each n (same context and slots every
+        time; the n values take turns so that load from other processes hits them alike)."""
+        batch, vocab = self.kv_slots.shape[0], self.runner.model.shape.vocab_size
+        cases = {}
+        for n in ns:
+            vslots = self.alloc.alloc(batch * n).view(batch, n)
+            tokens = torch.cat([self.last.view(batch, 1), _prompts(batch, n - 1, vocab, seed=1)], dim=1)
+            cases[n] = (vslots, _meta(self.seq_lens.tolist(), self.kv_slots, verify_slots=vslots),
+                        _chain(tokens, self.seq_lens))
+        times: dict[int, list[float]] = {n: [] for n in ns}
         for i in range(warmup + steps):
-            start = time.perf_counter()
-            self.runner.forward_step(meta, verify)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        self.alloc.free(vslots.reshape(-1))
-        return statistics.median(times)
+            for n, (_, meta, verify) in cases.items():
+                start = time.perf_counter()
+                self.runner.forward_step(meta, verify)
+                if i >= warmup:
+                    times[n].append(time.perf_counter() - start)
+        for vslots, _, _ in cases.values():
+            self.alloc.free(vslots.reshape(-1))
+        return {n: statistics.median(t) for n, t in times.items()}
 
     def release(self) -> None:
         self.alloc.free(self.kv_slots.reshape(-1))
@@ -121,8 +131,9 @@ def bench_runner(model: str, dtype: str, batches: list[int], verify_ns: list[int
         out["decode_tokens_per_s"][str(batch)] = round(batch * steps / sum(times), 2)
         out["decode_step_ms_median"][str(batch)] = round(1e3 * statistics.median(times), 2)
         out["prefill_s"][str(batch)] = round(reqs.prefill_s, 3)
+        _progress(f"runner {dtype} batch {batch}: {out['decode_tokens_per_s'][str(batch)]} tokens/s")
         if batch == 1:
-            cost = {n: reqs.verify_cost(n, warmup, steps) for n in verify_ns}
+            cost = reqs.verify_costs(verify_ns, warmup, steps)
             base = cost[verify_ns[0]]
             out["verify_ms_median_batch1"] = {str(n): round(1e3 * c, 2) for n, c in cost.items()}
             out["verify_cost_vs_n1_batch1"] = {str(n): round(c / base, 3) for n, c in cost.items()}
@@ -153,6 +164,7 @@ def bench_transformers(folder: Path, dtype: torch.dtype, batches: list[int], pro
         short = min(generate(prompts, 1) for _ in range(2))
         long = generate(prompts, 1 + steps)
         out["decode_tokens_per_s"][str(batch)] = round(batch * steps / max(long - short, 1e-9), 2)
+        _progress(f"transformers generate batch {batch}: {out['decode_tokens_per_s'][str(batch)]} tokens/s")
     return out
 
 
@@ -204,7 +216,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
 
     started = time.perf_counter()
-    result: dict = {"model": args.model, "device": "cpu", "prompt_len": args.prompt_len,
+    # Other processes on a small box distort every figure here: record the load around the run.
+    result: dict = {"model": args.model, "device": "cpu", "cpu_count": os.cpu_count(),
+                    "load_avg_1m_start": round(os.getloadavg()[0], 2), "prompt_len": args.prompt_len,
                     "warmup_steps": args.warmup, "decode_steps": args.steps, "runner": {}}
     for dtype in dtypes:
         result["runner"][dtype] = bench_runner(args.model, dtype, ints(args.batches), ints(args.verify_n),
@@ -220,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["runner_vs_transformers"] = {
         b: round(ours[b] / v, 2) for b, v in hf["decode_tokens_per_s"].items() if b in ours
     }
+    result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     result["wall_s"] = round(time.perf_counter() - started, 1)
 
     out = Path(args.out)
