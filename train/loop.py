@@ -141,9 +141,9 @@ def train_loop(cfg: dict) -> None:
             common.append_log(log_path, record)
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", acc=",".join(f"{s[1]:.2f}" for s in stats))
-        if cfg["use_ray"]:
-            ray.train.report({k: v for k, v in record.items() if k != "kind"})
         last = step == total_steps
+        if cfg["use_ray"] and (step % cfg.get("report_every", 25) == 0 or last):
+            ray.train.report({k: v for k, v in record.items() if k != "kind"})
         if rank == 0 and (step % cfg["save_every"] == 0 or last):
             if held and (step % cfg["eval_every"] == 0 or last):
                 common.append_log(log_path, {"kind": "eval", "step": step, **evaluate()})
@@ -164,7 +164,7 @@ def run(cfg: dict, num_workers: int) -> None:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=max(num_workers, 2), include_dashboard=False, log_to_driver=True,
+        ray.init(address="local", num_cpus=max(num_workers, 2), include_dashboard=False, log_to_driver=True,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": str(cfg["threads"])}})
     try:
         trainer = TorchTrainer(

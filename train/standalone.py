@@ -77,6 +77,7 @@ def save_student(model, state_dir: Path, out: Path, dtype: torch.dtype) -> None:
     state = {k: v.detach().cpu().to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
     (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+    (out / "model.safetensors").chmod(0o644)
     config = json.loads((Path(state_dir) / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(dict(config, torch_dtype=str(dtype).replace("torch.", "")), indent=2))
     target = Path(json.loads((Path(state_dir) / "target.json").read_text())["folder"])
@@ -102,7 +103,7 @@ class DistillModel(nn.Module):
         logp = F.log_softmax(logits, -1).gather(-1, batch["topk_ids"][sel])
         loss = -(probs * logp).sum(-1).mean()
         acc = (logits.argmax(-1) == batch["topk_ids"][sel][:, 0]).float().mean()
-        return loss, [(float(loss), float(acc), int(sel.sum()))]
+        return loss, [(float(loss.detach()), float(acc), int(sel.sum()))]
 
 
 def work_dir(args) -> Path:

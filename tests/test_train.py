@@ -1,0 +1,212 @@
+"""Draft training (train/): prompts disjoint from Spec-Bench, TTT semantics equal to inference,
+and both trainers end to end on a tiny target (loss goes down, the checkpoint loads through
+build_draft and serves losslessly)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from tiny_models import make_llama
+from train import common
+from train.decontam import SPEC_BENCH, EvalIndex, filter_prompts, load_eval_turns, user_text
+from train.prompts import follow_up, generate_prompts, passage_tasks
+
+VOCAB = 64
+
+
+# ---- prompts ----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not SPEC_BENCH.is_file(), reason="Spec-Bench question file not present")
+def test_training_prompts_disjoint_from_spec_bench():
+    from train.data import EVAL_SEED
+
+    index = EvalIndex(load_eval_turns())
+    assert index.turns and index.shingles
+    prompts = generate_prompts(2000, 0) + generate_prompts(400, EVAL_SEED)
+    passages = [f"Some text the target wrote about {t}, with a few more words in it." for t in ("tea", "maps", "rain")]
+    prompts += passage_tasks(passages * 20, 0)
+    prompts.append({"id": "x", "kind": "chat",
+                    "messages": follow_up(prompts[0]["messages"], "An answer.", 3)})
+    bad = [(user_text(p["messages"]), index.overlaps(user_text(p["messages"]))) for p in prompts]
+    bad = [b for b in bad if b[1]]
+    assert not bad, bad[:5]
+    turns = {t.strip().lower() for t in load_eval_turns()}
+    assert not any(user_text(p["messages"]).strip().lower() in turns for p in prompts)
+    # The filter used by train.data does drop an overlapping prompt.
+    planted = {"id": "y", "kind": "chat", "messages": [{"role": "user", "content": load_eval_turns()[5]}]}
+    kept, dropped = filter_prompts([planted, prompts[0]])
+    assert dropped == 1 and kept == [prompts[0]]
+
+
+def test_prompt_generator_is_diverse_and_deterministic():
+    a, b = generate_prompts(500, 1), generate_prompts(500, 1)
+    assert a == b and len({user_text(p["messages"]) for p in a}) == 500
+    kinds = {p["kind"] for p in a}
+    assert {"chat", "explanation", "code", "math", "list", "story", "translation", "passage"} <= kinds
+
+
+# ---- tiny target and data -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """An 8-layer tiny target and self-generated data (greedy + sampled) through our engine."""
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from spec.sampling import SamplingParams
+    from train.data import run_engine
+
+    root = tmp_path_factory.mktemp("train")
+    target = make_llama(root / "target", vocab_size=VOCAB, hidden=64, layers=8, seed=3)
+    rng = random.Random(0)
+    prompts = [{"id": f"q{i}", "kind": "chat",
+                "messages": [{"role": "user", "content": " ".join(f"w{rng.randrange(VOCAB - 2)}" for _ in range(6))}]}
+               for i in range(24)]
+    engine = build_graph(EngineConfig(model=str(target), max_running_requests=32, kv_slots=4096))
+    data = root / "data"
+    data.mkdir()
+    jobs = [(f"{p['id']}:g", p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)) for p in prompts]
+    jobs += [(f"{p['id']}:s", p, SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True))
+             for i, p in enumerate(prompts[:8])]
+    run_engine(engine, jobs, data / "responses.jsonl")
+    engine.shutdown()
+    eval_prompts = data / "eval_prompts.jsonl"
+    eval_prompts.write_text("".join(json.dumps({"id": f"e{i}", "kind": "chat", "messages": [
+        {"role": "user", "content": " ".join(f"w{rng.randrange(VOCAB - 2)}" for _ in range(5))}]}) + "\n"
+        for i in range(6)))
+    return {"root": root, "target": target, "data": data, "eval_prompts": eval_prompts}
+
+
+def _greedy(model, draft=None, algorithm=None, prompts=None, **kw):
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from spec.sampling import SamplingParams
+
+    engine = build_graph(EngineConfig(model=str(model), speculative_algorithm=algorithm,
+                                      draft_model=draft and str(draft), kv_slots=4096, **kw))
+    try:
+        outs = engine.chat(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    return outs
+
+
+def _eval_conversations(tiny):
+    return [json.loads(line)["messages"] for line in tiny["eval_prompts"].read_text().splitlines()]
+
+
+# ---- EAGLE-3 -----------------------------------------------------------------------------------
+
+def test_ttt_forward_matches_inference_draft_steps(tiny):
+    """Training logits of TTT step k at row i == what the runner's propose computes at depth k
+    (committed step-0 KV for rows <= i plus the KV of its own earlier steps), teacher forced."""
+    from models.attention import AttentionMetadata
+    from models.build import ModelSource
+    from spec.shapes import get_target_aux_layer_ids
+    from train.eagle3 import TTTModel, draft_config, new_draft
+
+    target = ModelSource.resolve(str(tiny["target"]))
+    tcfg = json.loads((tiny["target"] / "config.json").read_text())
+    aux_ids = get_target_aux_layer_ids(target.config, None)
+    ids = torch.arange(0, VOCAB, 2)
+    d2t, t2d = common.vocab_maps(ids, VOCAB)
+    cfg = draft_config(tcfg, len(ids), [i - 1 for i in aux_ids], hidden=32, heads=4, kv_heads=2, intermediate=64)
+    embed = torch.randn(VOCAB, 32) * 0.3
+    draft = new_draft(cfg, embed, None, d2t, t2d, seed=1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    steps = 3
+    model = TTTModel(draft, steps, 0.8).eval()
+    tokens = torch.randint(0, VOCAB - 2, (1, 14))
+    feats = common.TargetFeaturizer(str(tiny["target"]), aux_ids, topk=4)([tokens[0].tolist()])
+    batch = {"tokens": tokens, "valid": torch.ones_like(tokens, dtype=torch.bool),
+             "loss_mask": torch.ones_like(tokens, dtype=torch.bool), "aux": feats["aux"].float().unsqueeze(0),
+             "topk_ids": feats["topk_ids"].long().unsqueeze(0), "topk_logits": feats["topk_logits"].float().unsqueeze(0)}
+    with torch.no_grad():
+        train_logits = model(batch, return_logits=True)[1]  # steps x (1, T, Vd)
+
+        t = tokens.shape[1]
+        kv = draft.make_kv_pool(64, torch.float32, "cpu")
+        empty = torch.zeros(0, dtype=torch.long)
+        for i in range(2, t - steps - 1):
+            # extend: rows 0..i, hidden = aux, token = next token (slots 0..i), as DraftRunner.extend does
+            meta = AttentionMetadata.build([empty], [torch.arange(i + 1)], torch.arange(i + 1), [None])
+            rec, head = draft.draft_forward(tokens[0, 1 : i + 2], feats["aux"][: i + 1].float(), meta, kv, True)
+            torch.testing.assert_close(draft.lm_head(head[i]), train_logits[0][0, i], rtol=1e-4, atol=1e-4)
+            hidden, lineage = rec[i : i + 1], []
+            for k in range(1, steps):
+                slot = 32 + k
+                prefix = torch.cat([torch.arange(i + 1), torch.tensor(lineage, dtype=torch.long)])
+                meta = AttentionMetadata.build([prefix], [torch.tensor([slot])], torch.tensor([i + k]), [None])
+                rec_k, head_k = draft.draft_forward(tokens[0, i + k + 1 : i + k + 2], hidden, meta, kv, False)
+                torch.testing.assert_close(draft.lm_head(head_k[0]), train_logits[k][0, i], rtol=1e-4, atol=1e-4)
+                hidden, lineage = rec_k, lineage + [slot]
+
+
+def test_eagle3_trainer_end_to_end(tiny):
+    from models.build import ModelSource, build_draft
+    from spec.algorithm import SpecAlgorithm
+    from train import eagle3
+
+    out, work = tiny["root"] / "eagle3", tiny["root"] / "eagle3_work"
+    base = ["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(out), "--work-dir", str(work),
+            "--draft-vocab-size", "48", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "64",
+            "--epochs", "40", "--token-budget", "256", "--lr", "1e-2", "--warmup", "5", "--save-every", "20",
+            "--eval-every", "20", "--holdout", "0.1", "--topk", "8"]
+    args = base + ["--max-steps", "40", "--num-workers", "2", "--eval-prompts", str(tiny["eval_prompts"]),
+                   "--eval-n", "3", "--eval-max-tokens", "12"]
+    eagle3.main(args)
+    log = common.read_log(work / "log.jsonl")
+    train = [r["loss"] for r in log if r["kind"] == "train"]
+    assert len(train) == 40
+    assert sum(train[-5:]) / 5 < 0.95 * sum(train[:5]) / 5
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 48
+    assert config["target_hidden_size"] == 64 and "eagle_config" in config
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight"} <= names
+    assert "embed_tokens.weight" not in names
+    for extra in ("README.md", "loss.png"):
+        assert (out / extra).is_file()
+    assert "acceptance_length" in (out / "README.md").read_text()
+    draft = build_draft(SpecAlgorithm.EAGLE3, ModelSource.resolve(out), ModelSource.resolve(tiny["target"]),
+                        torch.float32, "cpu")
+    assert draft.draft_vocab_size == 48
+    prompts = _eval_conversations(tiny)
+    reference = _greedy(tiny["target"], prompts=prompts)
+    spec = _greedy(tiny["target"], out, "EAGLE3", prompts=prompts, num_steps=3)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+    # Resume continues from the saved step and adds the remaining ones.
+    eagle3.main(base + ["--max-steps", "44", "--no-ray", "--resume"])
+    steps = [r["step"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    assert steps[-1] == 44 and steps.count(41) == 1
+
+
+def test_standalone_trainer_end_to_end(tiny):
+    from models.build import ModelSource, build_draft
+    from spec.algorithm import SpecAlgorithm
+    from train import standalone
+
+    out, work = tiny["root"] / "standalone", tiny["root"] / "standalone_work"
+    standalone.main(["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(out),
+                     "--work-dir", str(work), "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1",
+                     "--intermediate", "64", "--epochs", "30", "--max-steps", "30", "--token-budget", "256",
+                     "--lr", "1e-2", "--warmup", "5", "--holdout", "0", "--topk", "8", "--no-ray",
+                     "--save-every", "15"])
+    train = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    assert len(train) == 30 and sum(train[-5:]) / 5 < 0.8 * sum(train[:5]) / 5
+    assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
+    draft = build_draft(SpecAlgorithm.STANDALONE, ModelSource.resolve(out), ModelSource.resolve(tiny["target"]),
+                        torch.float32, "cpu")
+    assert draft.shape.hidden_size == 32
+    prompts = _eval_conversations(tiny)
+    reference = _greedy(tiny["target"], prompts=prompts)
+    spec = _greedy(tiny["target"], out, "STANDALONE", prompts=prompts, num_steps=3)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
