@@ -36,6 +36,7 @@ class EngineConfig:
     draft_resources: dict | None = None
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
+    step_timeout_s: float = 300.0  # a step slower than this counts as a failed actor
 
     def __post_init__(self) -> None:
         self.algorithm = SpecAlgorithm.from_name(self.speculative_algorithm)

@@ -25,7 +25,7 @@ class RankActors:
 
 
 class CompiledStepExecutor:
-    def __init__(self, ranks: list[RankActors]):
+    def __init__(self, ranks: list[RankActors], step_timeout_s: float):
         with InputNode() as inp:
             outputs = []
             for r, rank in enumerate(ranks):
@@ -33,10 +33,12 @@ class CompiledStepExecutor:
                 ext = rank.target.forward_step.bind(meta_and_verify)
                 outputs.append(rank.draft.extend.bind(meta_and_verify, ext))
             dag = MultiOutputNode(outputs)
-        self.compiled = dag.experimental_compile()
+        # Ray's default 10 s limits would turn a long prefill on a busy CPU into a "failure".
+        self.compiled = dag.experimental_compile(_submit_timeout=step_timeout_s)
+        self.step_timeout_s = step_timeout_s
 
     def execute_all(self, steps: list) -> list:
-        return ray.get(self.compiled.execute(*steps))
+        return [ref.get(timeout=self.step_timeout_s) for ref in self.compiled.execute(*steps)]
 
     def teardown(self) -> None:
         self.compiled.teardown()

@@ -79,7 +79,9 @@ class GraphRuntime:
         return DraftActor.options(**options).remote(c, **self._runner_kwargs(cpus))
 
     def _full_executor(self):
-        return CompiledStepExecutor(self.ranks) if self.config.compiled_graph else ActorCallExecutor(self.ranks)
+        if self.config.compiled_graph:
+            return CompiledStepExecutor(self.ranks, self.config.step_timeout_s)
+        return ActorCallExecutor(self.ranks)
 
     def actors(self) -> list:
         return [a for rank in self.ranks for a in (rank.target, rank.draft)]
