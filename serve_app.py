@@ -1,1 +1,1018 @@
-import sys; print("serving is not built yet"); sys.exit(1)
+"""OpenAI-compatible HTTP server on Ray Serve, over one speculative-decoding graph per replica.
+
+    python serve_app.py [--host 127.0.0.1] [--port 8000] [--model NAME] [--draft-model NAME]
+        [--speculative-algorithm NONE|EAGLE|EAGLE3|STANDALONE|NGRAM] [--num-steps N]
+        [--eagle-topk K] [--num-draft-tokens N] [--dp-size N] [--api-key KEY] [--max-model-len N]
+    serve run serve_app:app                     # the same defaults, through the Serve CLI
+    serve run deploy/serve_config.yaml          # build_app(args) with the config's args
+
+Two deployments:
+  * `OpenAIIngress` (FastAPI): auth, body limits, request validation and OpenAI response
+    shapes, SSE streaming; `/metrics` renders every replica's counters.
+  * `SpecEngine`: each replica owns one actor graph (RayEngine: scheduler, target and draft
+    actors), reserved with the replica through `placement_group_bundles` (bundle 0 is the
+    replica's own, the graph's bundles follow). It autoscales on ongoing requests.
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions,
+GET /metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+"""
+
+import argparse
+import asyncio
+import functools
+import json
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, AsyncIterator, List, Literal, Optional, Union
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from graphs.config import EngineConfig
+from graphs.metrics import ServeMetrics, merge, render
+from graphs.runtime import graph_bundles
+from models.registry import DEFAULT_MODEL, REGISTRY
+from spec.algorithm import SpecAlgorithm
+from spec.sampling import SamplingParams
+
+log = logging.getLogger("serve_app")
+
+DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
+# What the server speculates with unless told otherwise, chosen by measurement: the shipped
+# EAGLE-3 head (acceptance length 1.24, see drafts/) does not beat prompt lookup yet, so NGRAM
+# stays the default; switch to {"speculative_algorithm": "EAGLE3", "draft_model":
+# DEFAULT_EAGLE3_DRAFT} once a trained head measures faster.
+DEFAULT_SPECULATION = {"speculative_algorithm": "NGRAM"}
+ENGINE_DEPLOYMENT = "SpecEngine"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+METRICS_PUSH_S = 1.0
+
+
+# ---- settings ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ServeSettings:
+    """Serving options that are not engine options (those live in EngineConfig)."""
+
+    served_model_name: Optional[str] = None  # default: the config's model name
+    api_key: Optional[str] = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_queue: int = 256  # per replica: 503 once this many requests wait for a batch slot (0: refuse all)
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_ongoing_requests: Optional[float] = None  # default: 0.75 * batch size
+    max_ongoing_requests: Optional[int] = None  # default: batch size + max_queue + 16
+    ingress_replicas: int = 1
+    replica_num_cpus: float = 0.1  # the engine replica's own bundle (the graph's bundles follow)
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1
+    # max_tokens of chat requests that set none (OpenAI: up to the context). The scheduler
+    # reserves KV for a request's whole budget, so a cap lets more such requests run at once.
+    default_max_tokens: Optional[int] = None
+    health_stall_s: float = 900.0  # an engine silent this long is unhealthy (Serve replaces the replica)
+
+    def __post_init__(self) -> None:
+        for name in ("min_replicas", "max_queue"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_replicas", "ingress_replicas", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+
+
+_ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
+_SETTINGS_FIELDS = {f.name: f for f in fields(ServeSettings)}
+
+
+def _coerce(name: str, annotation: str, value: Any) -> Any:
+    """Args from `serve run ... key=value` or YAML may arrive as strings: convert by field type."""
+    if value is None or not isinstance(value, str):
+        return value
+    kind = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", None) or str(annotation)
+    kind = kind.replace("typing.", "")
+    if name == "speculative_algorithm":  # "NONE" is an algorithm here, not a missing value
+        return value
+    if value.lower() in ("none", "null", "") and ("None" in kind or "Optional" in kind):
+        return None
+    if kind.startswith("bool"):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+    try:
+        if "int" in kind and "float" not in kind:
+            return int(value)
+        if "float" in kind:
+            return float(value)
+        if kind.startswith("dict"):
+            return json.loads(value)
+    except (ValueError, json.JSONDecodeError):
+        raise ValueError(f"{name}: cannot read {value!r} as {kind}") from None
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def default_draft_available() -> bool:
+    """The trained EAGLE-3 draft of the default model is registered and its files are there."""
+    if DEFAULT_EAGLE3_DRAFT not in REGISTRY:
+        return False
+    from models.loader import resolve_model
+
+    try:
+        resolve_model(DEFAULT_EAGLE3_DRAFT)
+        return True
+    except Exception as exc:  # noqa: BLE001 - registered but not trained/shipped yet
+        log.warning("%s is registered but not usable (%s): using NGRAM", DEFAULT_EAGLE3_DRAFT, exc)
+        return False
+
+
+def apply_spec_defaults(engine: dict) -> dict:
+    """Default speculation when none is asked for: DEFAULT_SPECULATION. Asking for EAGLE3
+    without a draft on the default model picks the shipped SmolLM2 EAGLE-3 head."""
+    engine = dict(engine)
+    model = engine.get("model") or DEFAULT_MODEL
+    engine["model"] = model
+    algorithm, draft = engine.get("speculative_algorithm"), engine.get("draft_model")
+    if algorithm is None and draft is None:
+        engine.update(DEFAULT_SPECULATION)
+    elif (draft is None and model == DEFAULT_MODEL and SpecAlgorithm.from_name(algorithm) is SpecAlgorithm.EAGLE3
+          and default_draft_available()):
+        engine["draft_model"] = DEFAULT_EAGLE3_DRAFT
+    return engine
+
+
+def split_args(args: dict | None) -> tuple[dict, ServeSettings]:
+    """`build_app` args -> (EngineConfig kwargs with defaults applied, ServeSettings)."""
+    engine, settings = {}, {}
+    for key, value in (args or {}).items():
+        key = key.replace("-", "_")
+        if key in _SETTINGS_FIELDS:
+            settings[key] = _coerce(key, _SETTINGS_FIELDS[key].type, value)
+        elif key in _ENGINE_FIELDS and key != "backend":
+            engine[key] = _coerce(key, _ENGINE_FIELDS[key].type, value)
+        elif key == "backend":
+            if value != "ray":
+                raise ValueError("backend: the server always runs the ray backend")
+        else:
+            known = sorted([*_ENGINE_FIELDS, *_SETTINGS_FIELDS])
+            raise ValueError(f"unknown argument {key!r}; known: {', '.join(known)}")
+    engine = apply_spec_defaults(engine)
+    EngineConfig(**engine, backend="ray")  # validate now, not in a replica
+    return engine, ServeSettings(**settings)
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def event(self) -> dict:
+        """As an engine event (plain data through Ray)."""
+        return {"failed": {"status": self.status, "message": self.message, "param": self.param, "code": self.code,
+                           "headers": self.headers}}
+
+    @classmethod
+    def from_event(cls, event: dict) -> "APIError":
+        e = event["failed"]
+        return cls(e["status"], e["message"], e.get("param"), e.get("code"), e.get("headers"))
+
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+def _param_of(message: str) -> str | None:
+    head = message.split(":")[0].split(" ")[0]
+    return head if head in (*SAMPLING_FIELDS, "prompt", "messages") else None
+
+
+# ---- request validation and translation (no Ray: unit-tested directly) --------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Lenient):
+    include_usage: Optional[bool] = None
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, List[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class _CommonBody(_Lenient):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    user: Optional[str] = None
+    ignore_eos: Optional[bool] = None
+    best_of: Optional[int] = None
+
+
+class CompletionBody(_CommonBody):
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    echo: Optional[bool] = None
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ChatBody(_CommonBody):
+    messages: List[ChatMessage]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+
+@dataclass
+class GenRequest:
+    """A validated request, as sent to the engine replica (plain data)."""
+
+    chat: bool
+    model: str
+    prompt: Union[str, List[int], None] = None
+    messages: Optional[List[dict]] = None
+    max_tokens: Optional[int] = None  # None: up to the context length
+    sampling: dict = field(default_factory=dict)  # SamplingParams kwargs other than max_tokens
+    stream: bool = False
+    include_usage: bool = False
+
+    def to_engine(self) -> dict:
+        return asdict(self)
+
+
+def _validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    loc = [str(x) for x in err.get("loc", ())]
+    param = loc[0] if loc else None
+    where = ".".join(x for x in loc if not any(t in x for t in ("[", "str", "list", "int")) or x.isdigit())
+    if err.get("type") == "missing":
+        return APIError(400, f"{param}: field required", param, "missing_field")
+    return APIError(400, f"{where or param}: {err.get('msg')}", param, "invalid_value")
+
+
+def _message_text(content) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages: content part of type {part.type!r} is not supported (text only)",
+                           "messages", "invalid_value")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def parse_request(body: Any, chat: bool, served_names: list[str]) -> GenRequest:
+    """Validate an OpenAI request body and translate it into a GenRequest.
+
+    Raises APIError (400 for bad values, 404 for an unknown model)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", None, "invalid_json")
+    try:
+        req = (ChatBody if chat else CompletionBody).model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    if req.model is not None and req.model not in served_names:
+        raise APIError(404, f"The model '{req.model}' does not exist; this server serves {served_names[0]!r}",
+                       "model", "model_not_found")
+    for name in ("n", "best_of"):
+        value = getattr(req, name)
+        if value is not None and value != 1:
+            raise APIError(400, f"{name}: only 1 is supported, got {value}", name, "invalid_value")
+    if chat:
+        if req.logprobs or req.top_logprobs:
+            raise APIError(400, "logprobs: not supported", "logprobs", "invalid_value")
+    else:
+        if req.echo:
+            raise APIError(400, "echo: not supported", "echo", "invalid_value")
+        if req.logprobs:
+            raise APIError(400, "logprobs: not supported", "logprobs", "invalid_value")
+        if req.suffix:
+            raise APIError(400, "suffix: not supported", "suffix", "invalid_value")
+
+    out = GenRequest(chat=chat, model=served_names[0], stream=bool(req.stream),
+                     include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage))
+    if chat:
+        if not req.messages:
+            raise APIError(400, "messages: must contain at least one message", "messages", "invalid_value")
+        out.messages = [{"role": m.role, "content": _message_text(m.content)} for m in req.messages]
+        out.max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    else:
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt: batches of prompts are not supported (got {len(prompt)}); "
+                               "send one prompt per request", "prompt", "invalid_value")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise APIError(400, "prompt: must not be empty", "prompt", "invalid_value")
+        out.prompt = prompt
+        out.max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    stop = req.stop
+    sampling = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=req.seed,
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        ignore_eos=bool(req.ignore_eos),
+    )
+    try:  # the engine's own rules, checked here so the client hears about them first
+        SamplingParams(max_tokens=1 if out.max_tokens is None else out.max_tokens, **sampling)
+    except ValueError as exc:
+        raise APIError(400, str(exc), _param_of(str(exc)), "invalid_value") from None
+    out.sampling = sampling
+    return out
+
+
+# ---- response shapes --------------------------------------------------------------------------
+
+
+def usage_of(result: dict) -> dict:
+    p, c = result["prompt_tokens"], result["completion_tokens"]
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def completion_response(req: GenRequest, result: dict, rid: str, created: int) -> dict:
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
+                  "finish_reason": result["finish_reason"]}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": result["finish_reason"]}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
+            "usage": usage_of(result)}
+
+
+def stream_chunk(req: GenRequest, rid: str, created: int, *, text: str | None = None, role: bool = False,
+                 finish_reason: str | None = None, usage: dict | None = None, final_usage: bool = False) -> str:
+    obj = "chat.completion.chunk" if req.chat else "text_completion"
+    chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model}
+    if final_usage:
+        chunk["choices"] = []
+    elif req.chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+            delta["content"] = ""
+        if text is not None:
+            delta["content"] = text
+        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    else:
+        chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+    if req.include_usage:
+        chunk["usage"] = usage
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+
+# ---- metrics hub: one small actor per application, fed by every replica -----------------------
+
+
+@ray.remote(num_cpus=0)
+class MetricsHub:
+    def __init__(self):
+        self.snapshots: dict[str, dict] = {}
+
+    def report(self, key: str, snapshot: dict) -> None:
+        self.snapshots[key] = snapshot
+
+    def retire(self, key: str) -> None:
+        """A replica stopped: keep its counters, drop its gauges."""
+        if key in self.snapshots:
+            self.snapshots[key]["gauges"] = None
+
+    def collect(self) -> dict[str, dict]:
+        return self.snapshots
+
+
+class MetricsReporter:
+    """Pushes a replica's ServeMetrics snapshot to the application's hub when it changed."""
+
+    def __init__(self, metrics: ServeMetrics, key: str, app_name: str, refresh=None):
+        self.metrics, self.key, self.hub_name = metrics, key, f"specgraph-metrics:{app_name}"
+        self.refresh = refresh  # async callable run before each push (e.g. engine gauges)
+        self.hub = None
+        self._pushed = -1
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def get_hub(self):
+        if self.hub is None:
+            self.hub = MetricsHub.options(name=self.hub_name, get_if_exists=True,
+                                          scheduling_strategy="DEFAULT").remote()
+        return self.hub
+
+    async def collect(self, fresh: dict | None = None) -> list[dict]:
+        """All replicas' snapshots: this one's taken now, and `fresh` ({key: snapshot}) over the hub's."""
+        try:
+            hub = await asyncio.to_thread(self.get_hub)
+            snaps = dict(await hub.collect.remote())
+        except Exception:  # noqa: BLE001 - the hub went away with its owner: rebuilt on next use
+            log.warning("metrics hub unavailable", exc_info=True)
+            self.hub, snaps = None, {}
+        snaps.update(fresh or {})
+        snaps[self.key] = self.metrics.snapshot()
+        return list(snaps.values())
+
+    async def push(self) -> None:
+        if self.refresh is not None:
+            await self.refresh()
+        if self.metrics.version == self._pushed:
+            return
+        version = self.metrics.version
+        try:
+            hub = await asyncio.to_thread(self.get_hub)
+            await hub.report.remote(self.key, self.metrics.snapshot())
+            self._pushed = version
+        except Exception:  # noqa: BLE001
+            log.debug("metrics push failed", exc_info=True)
+            self.hub = None
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.push()
+            except Exception:  # noqa: BLE001 - metrics never take the replica down
+                log.debug("metrics refresh failed", exc_info=True)
+            await asyncio.sleep(METRICS_PUSH_S)
+
+    def retire(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self.hub is not None:
+            try:
+                self.hub.report.remote(self.key, self.metrics.snapshot())
+                self.hub.retire.remote(self.key)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _replica_key() -> tuple[str, str]:
+    try:
+        ctx = serve.get_replica_context()
+        return f"{ctx.deployment}#{ctx.replica_id.unique_id}", ctx.app_name
+    except Exception:  # noqa: BLE001 - outside Serve (tests)
+        return f"local#{uuid.uuid4().hex[:8]}", "default"
+
+
+# ---- the engine deployment ----------------------------------------------------------------------
+
+
+def _cause(exc: BaseException) -> BaseException:
+    return getattr(exc, "cause", None) or exc
+
+
+class SpecEngine:
+    """One replica = one actor graph (RayEngine in this replica's placement group)."""
+
+    def __init__(self, engine_kwargs: dict, settings: dict):
+        from graphs.ray_graph import RayEngine
+        from graphs.engine import resolve_sources
+        from spec.shapes import cfg_get
+
+        self.config = EngineConfig(**engine_kwargs, backend="ray")
+        self.settings = ServeSettings(**settings)
+        self.engine = RayEngine(self.config)
+        info = ray.get(self.engine.scheduler.config_info.remote())
+        self.max_model_len = int(info["max_model_len"])
+        target, _ = resolve_sources(self.config)
+        self.vocab_size = int(cfg_get(target.config, "vocab_size", len(self.engine.tokenizer)))
+        self.capacity = self.config.max_running_requests * self.config.dp_size
+        self.max_queue = self.settings.max_queue
+        self.inflight = 0
+        self.waiting = 0  # the scheduler's queue, as last seen
+        self._probe, self._probe_at = None, 0.0
+        self.metrics = ServeMetrics()
+        if self.config.algorithm is not SpecAlgorithm.NONE:
+            self.metrics.set_draft_depth(self.config.num_steps)
+        key, app_name = _replica_key()
+        self.reporter = MetricsReporter(self.metrics, key, app_name, refresh=self._refresh_stats)
+
+    # ---- admin -----------------------------------------------------------------------
+
+    def reconfigure(self, user_config: dict) -> None:
+        if user_config and "max_queue" in user_config:
+            self.set_max_queue(int(user_config["max_queue"]))
+
+    def set_max_queue(self, max_queue: int) -> int:
+        """Change the queue limit at run time (0 refuses every new request: drain)."""
+        old, self.max_queue = self.max_queue, max_queue
+        return old
+
+    async def _refresh_stats(self) -> None:
+        stats = await self.engine.scheduler.stats.remote()
+        self.waiting = stats["waiting"]
+        self.metrics.set_engine_stats(stats)
+
+    async def stats(self) -> dict:
+        self.reporter.start()
+        stats = await self.engine.scheduler.stats.remote()
+        return {**stats, "inflight": self.inflight, "max_queue": self.max_queue, "max_model_len": self.max_model_len}
+
+    async def info(self) -> dict:
+        return {"max_model_len": self.max_model_len, "algorithm": self.config.algorithm.name,
+                "model": self.config.model, "draft_model": self.config.draft_model}
+
+    async def metrics_snapshot(self) -> tuple[str, dict]:
+        """(replica key, fresh snapshot): lets /metrics show current gauges of a replica."""
+        await self._refresh_stats()
+        return self.reporter.key, self.metrics.snapshot()
+
+    async def check_health(self) -> None:
+        """Fails when the scheduler actor is dead or has not answered for `health_stall_s`;
+        a long step (the scheduler answers between steps) is not a failure."""
+        self.reporter.start()
+        now = time.monotonic()
+        if self._probe is None:
+            self._probe, self._probe_at = self.engine.scheduler.stats.remote(), now
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if ready:
+            probe, self._probe = self._probe, None
+            await probe  # raises if the scheduler actor died
+        elif now - self._probe_at > self.settings.health_stall_s:
+            raise RuntimeError(f"engine unresponsive for {now - self._probe_at:.0f} s")
+
+    async def ping(self) -> bool:
+        await self.check_health()
+        return True
+
+    def __del__(self):
+        try:
+            self.reporter.retire()
+        except Exception:  # noqa: BLE001
+            pass
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001 - the replica is going away regardless
+                log.debug("engine shutdown raised", exc_info=True)
+
+    # ---- requests --------------------------------------------------------------------
+
+    def _prepare(self, req: dict) -> tuple[list[int], SamplingParams]:
+        try:
+            ids = self.engine.encode_chat(req["messages"]) if req["chat"] else self.engine.encode(req["prompt"])
+        except APIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template or tokenizer refusing the input
+            raise APIError(400, f"{'messages' if req['chat'] else 'prompt'}: {exc}",
+                           "messages" if req["chat"] else "prompt", "invalid_value") from None
+        if not req["chat"] and isinstance(req["prompt"], list):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               "prompt", "invalid_value")
+        if not ids:
+            raise APIError(400, "prompt: must contain at least one token", "prompt", "invalid_value")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(400, f"prompt: {len(ids)} tokens leave no room within the model's context length "
+                           f"({self.max_model_len} tokens)", "messages" if req["chat"] else "prompt",
+                           "context_length_exceeded")
+        max_tokens = req["max_tokens"]
+        if max_tokens is None:
+            max_tokens = min(room, self.settings.default_max_tokens or room)
+        elif max_tokens > room:
+            raise APIError(400, f"max_tokens: {max_tokens} new tokens plus the prompt's {len(ids)} exceed the "
+                           f"model's context length of {self.max_model_len} tokens", "max_tokens",
+                           "context_length_exceeded")
+        try:
+            params = SamplingParams(max_tokens=max_tokens, **req["sampling"])
+        except ValueError as exc:
+            raise APIError(400, str(exc), _param_of(str(exc)), "invalid_value") from None
+        return ids, params
+
+    def _admit(self) -> None:
+        queued = max(self.waiting, self.inflight - self.capacity)
+        if queued >= self.max_queue:
+            raise APIError(503, f"server busy: {queued} requests waiting (max_queue {self.max_queue}); retry later",
+                           None, "queue_full", headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    async def _events(self, req: dict) -> AsyncIterator[dict]:
+        """{"failed": {...}} once (refused), or {"delta"} events then one {"finished": True, ...} event."""
+        self.reporter.start()
+        start = time.perf_counter()
+        try:
+            ids, params = self._prepare(req)
+            self._admit()
+        except APIError as exc:
+            yield exc.event()
+            return
+        self.inflight += 1
+        events = self.engine.astream_events(ids, params)
+        first_at, finished = None, False
+        try:
+            async for event in events:
+                now = time.perf_counter()
+                if first_at is None:
+                    first_at = now
+                    self.metrics.record_first_token(now - start)
+                if not event["finished"]:
+                    yield {"delta": event["delta"]}
+                    continue
+                out = event["output"]
+                finished = True
+                self.metrics.record_finished(out, first_at, now)
+                yield {"delta": event["delta"], "finished": True, "text": out.text,
+                       "finish_reason": out.finish_reason, "error": out.error,
+                       "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+                       "verify_steps": out.num_verify_steps}
+                return
+        except ValueError as exc:  # the scheduler refused the request (e.g. its KV would not fit)
+            if first_at is not None:
+                raise
+            message = str(_cause(exc))
+            finished = True
+            yield APIError(400, message, _param_of(message) or "prompt", "invalid_value").event()
+        finally:
+            self.inflight -= 1
+            if not finished:
+                self.metrics.record_aborted()
+            await events.aclose()
+
+    async def stream(self, req: dict) -> AsyncIterator[dict]:
+        async for event in self._events(req):
+            yield event
+
+    async def complete(self, req: dict) -> dict:
+        final = None
+        async for event in self._events(req):
+            if "failed" in event:
+                return event
+            final = event
+        return final or APIError(500, "the engine ended the request without a result", None, "engine_error").event()
+
+
+# ---- the HTTP ingress ---------------------------------------------------------------------------
+
+fastapi_app = FastAPI(title="specgraph", docs_url=None, redoc_url=None)
+
+
+@fastapi_app.exception_handler(RequestValidationError)
+async def _validation_handler(request: Request, exc: RequestValidationError):
+    errors = exc.errors()
+    loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
+    return APIError(400, f"{'.'.join(loc) or 'body'}: {errors[0].get('msg') if errors else 'invalid request'}",
+                    loc[0] if loc else None, "invalid_value").response()
+
+
+@fastapi_app.exception_handler(StarletteHTTPException)
+async def _http_handler(request: Request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail), None, None).response()
+
+
+@fastapi_app.exception_handler(Exception)
+async def _internal_handler(request: Request, exc: Exception):
+    log.exception("unhandled error on %s", request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error").response()
+
+
+@serve.ingress(fastapi_app)
+class OpenAIIngress:
+    def __init__(self, engine: DeploymentHandle, engine_kwargs: dict, settings: dict):
+        self.engine = engine
+        self.engine_stream = engine.options(stream=True)
+        self.settings = ServeSettings(**settings)
+        model = engine_kwargs["model"]
+        self.served_names = [self.settings.served_model_name or model, model]
+        self.created = int(time.time())
+        self.metrics = ServeMetrics()
+        key, app_name = _replica_key()
+        self.reporter = MetricsReporter(self.metrics, key, app_name)
+
+    # ---- plumbing --------------------------------------------------------------------
+
+    def _check_auth(self, request: Request) -> None:
+        key = self.settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or token.strip() != key:
+            raise APIError(401, "Incorrect API key provided (send 'Authorization: Bearer <key>')", None,
+                           "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.settings.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_big = APIError(413, f"request body larger than {limit} bytes", None, "request_too_large")
+        if declared is not None:
+            try:
+                if int(declared) > limit:
+                    raise too_big
+            except ValueError:
+                raise APIError(400, "invalid Content-Length header", None, "invalid_request") from None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+
+    async def _generate(self, endpoint: str, request: Request, chat: bool) -> Response:
+        self.reporter.start()
+        try:
+            self._check_auth(request)
+            req = parse_request(await self._read_json(request), chat, self.served_names)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            created = int(time.time())
+            if req.stream:
+                gen = self.engine_stream.stream.remote(req.to_engine())
+                try:
+                    first = await gen.__anext__()
+                except BaseException:
+                    gen.cancel()
+                    raise
+                if "failed" in first:
+                    raise APIError.from_event(first)
+                response: Response = StreamingResponse(
+                    self._sse(req, rid, created, first, gen), media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            else:
+                result = await self.engine.complete.remote(req.to_engine())
+                if "failed" in result:
+                    raise APIError.from_event(result)
+                if result.get("finish_reason") == "error":
+                    raise APIError(500, f"engine error: {result.get('error')}", None, "engine_error")
+                response = JSONResponse(completion_response(req, result, rid, created))
+        except APIError as exc:
+            response = exc.response()
+        except Exception as exc:  # noqa: BLE001
+            from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+            if isinstance(exc, (BackPressureError, DeploymentUnavailableError)):
+                response = APIError(503, f"server busy: {exc}", None, "queue_full",
+                                    headers={"Retry-After": str(self.settings.retry_after_s)}).response()
+            else:
+                log.exception("request failed")
+                response = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None,
+                                    "internal_error").response()
+        self.metrics.record_request(endpoint, response.status_code)
+        return response
+
+    async def _sse(self, req: GenRequest, rid: str, created: int, first: dict, gen) -> AsyncIterator[str]:
+        finished = False
+        try:
+            if req.chat:
+                yield stream_chunk(req, rid, created, role=True)
+            event = first
+            while True:
+                if event.get("delta"):
+                    yield stream_chunk(req, rid, created, text=event["delta"])
+                if event.get("finished"):
+                    finished = True
+                    if event.get("finish_reason") == "error":
+                        err = APIError(500, f"engine error: {event.get('error')}", None, "engine_error").body()
+                        yield f"data: {json.dumps(err)}\n\n"
+                    else:
+                        yield stream_chunk(req, rid, created, text=None if req.chat else "",
+                                           finish_reason=event["finish_reason"])
+                        if req.include_usage:
+                            yield stream_chunk(req, rid, created, usage=usage_of(event), final_usage=True)
+                    break
+                try:
+                    event = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - the engine replica failed mid-stream
+                    log.warning("stream broke: %s", exc)
+                    finished = True
+                    err = APIError(500, f"engine error: {type(exc).__name__}", None, "engine_error").body()
+                    yield f"data: {json.dumps(err)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                gen.cancel()  # the client went away (or the stream broke): abort, free the KV
+
+    # ---- routes ----------------------------------------------------------------------
+
+    @fastapi_app.get("/health")
+    async def health(self) -> Response:
+        self.reporter.start()
+        try:
+            await asyncio.wait_for(self.engine.ping.remote(), timeout=10)
+        except Exception as exc:  # noqa: BLE001
+            return APIError(503, f"engine not ready: {type(exc).__name__}", None, "unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    @fastapi_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        try:
+            self._check_auth(request)
+        except APIError as exc:
+            self.metrics.record_request("/v1/models", exc.status)
+            return exc.response()
+        self.metrics.record_request("/v1/models", 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "specgraph",
+             "root": self.served_names[1]}]})
+
+    @fastapi_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._generate("/v1/completions", request, chat=False)
+
+    @fastapi_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate("/v1/chat/completions", request, chat=True)
+
+    @fastapi_app.get("/metrics")
+    async def metrics_endpoint(self) -> Response:
+        self.reporter.start()
+        fresh = {}
+        try:  # one engine replica's current gauges (all of them when there is one replica)
+            key, snap = await asyncio.wait_for(self.engine.metrics_snapshot.remote(), timeout=5)
+            fresh[key] = snap
+        except Exception:  # noqa: BLE001 - fall back to what replicas pushed last
+            log.debug("engine metrics refresh failed", exc_info=True)
+        snapshots = await self.reporter.collect(fresh)
+        return PlainTextResponse(render(merge(snapshots)), media_type="text/plain; version=0.0.4")
+
+    def __del__(self):
+        try:
+            self.reporter.retire()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+# ---- the application ----------------------------------------------------------------------------
+
+
+def build_app(args: dict | None = None) -> serve.Application:
+    """The Serve application for `args` (EngineConfig fields and ServeSettings fields)."""
+    engine_kwargs, settings = split_args(args)
+    config = EngineConfig(**engine_kwargs, backend="ray")
+    batch = config.max_running_requests * config.dp_size
+    max_ongoing = settings.max_ongoing_requests or batch + settings.max_queue + 16
+    target = settings.target_ongoing_requests or max(1.0, 0.75 * batch)
+    engine = serve.deployment(SpecEngine, name=ENGINE_DEPLOYMENT).options(
+        ray_actor_options={"num_cpus": settings.replica_num_cpus},
+        placement_group_bundles=[{"CPU": settings.replica_num_cpus}] + graph_bundles(config),
+        placement_group_strategy=config.placement_strategy,
+        autoscaling_config={"min_replicas": settings.min_replicas, "initial_replicas": max(1, settings.min_replicas),
+                            "max_replicas": settings.max_replicas, "target_ongoing_requests": target},
+        max_ongoing_requests=max_ongoing,
+        max_queued_requests=max(1, settings.max_queue),
+        health_check_period_s=10,
+        health_check_timeout_s=60,
+        graceful_shutdown_timeout_s=30,
+    )
+    ingress = serve.deployment(OpenAIIngress, name=INGRESS_DEPLOYMENT).options(
+        ray_actor_options={"num_cpus": 0.1},
+        num_replicas=settings.ingress_replicas,
+        max_ongoing_requests=max_ongoing * settings.max_replicas + 64,
+    )
+    settings_dict = asdict(settings)
+    return ingress.bind(engine.bind(engine_kwargs, settings_dict), engine_kwargs, settings_dict)
+
+
+# ---- `python serve_app.py` ----------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="serve_app.py", description="OpenAI-compatible speculative-decoding server on Ray Serve.",
+        epilog=f"Default: {DEFAULT_MODEL} with {DEFAULT_SPECULATION['speculative_algorithm']} speculation; "
+               f"--speculative-algorithm EAGLE3 uses the shipped draft {DEFAULT_EAGLE3_DRAFT}.")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, folder or .gguf")
+    p.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--speculative-algorithm", default=None, help="NONE, EAGLE, EAGLE3, STANDALONE or NGRAM")
+    p.add_argument("--num-steps", type=int, default=None)
+    p.add_argument("--eagle-topk", type=int, default=None)
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--dp-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--kv-slots", type=int, default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--api-key", default=os.environ.get("SPECGRAPH_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGRAPH_API_KEY)")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="max_tokens of chat requests that give none (default: up to the context length)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests per replica before 503 (256)")
+    p.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound (1)")
+    p.add_argument("--num-cpus", type=float, default=None, help="CPUs of the local Ray started here")
+    p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the local Ray")
+    return p.parse_args(argv)
+
+
+def app_args_from_cli(ns: argparse.Namespace) -> dict:
+    skip = {"host", "port", "num_cpus", "dashboard"}
+    return {k: v for k, v in vars(ns).items() if k not in skip and v is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = app_args_from_cli(ns)
+    application = build_app(args)  # bad flags fail here, before Ray starts
+    engine_kwargs, settings = split_args(args)
+    config = EngineConfig(**engine_kwargs, backend="ray")
+
+    stop = threading.Event()
+    serving = threading.Event()
+
+    def _on_signal(signum, frame):  # noqa: ARG001
+        stop.set()
+        if not serving.is_set():  # still starting: interrupt whatever is blocking
+            raise KeyboardInterrupt
+
+    started_ray = False
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if not ray.is_initialized():
+            if os.environ.get("RAY_ADDRESS"):
+                ray.init(address=os.environ["RAY_ADDRESS"])
+            else:
+                needed = settings.replica_num_cpus + sum(b.get("CPU", 0) for b in graph_bundles(config)) + 0.2
+                num_cpus = ns.num_cpus or max(os.cpu_count() or 1, math.ceil(needed))
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=ns.dashboard)
+                started_ray = True
+        serve.start(http_options={"host": ns.host, "port": ns.port})
+        log.info("deploying %s (%s%s)...", config.model, config.algorithm.name,
+                 f" with {config.draft_model}" if config.draft_model else "")
+        serve.run(application, name="default", route_prefix="/")
+        host = f"[{ns.host}]" if ":" in ns.host else ns.host
+        log.info("serving %s at http://%s:%d/v1 (health: /health, metrics: /metrics); Ctrl-C to stop",
+                 settings.served_model_name or config.model, host, ns.port)
+        serving.set()
+        while not stop.wait(1.0):
+            pass
+        log.info("stopping")
+        return 0
+    except KeyboardInterrupt:
+        log.info("interrupted while starting; stopping")
+        return 130
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        try:
+            if ray.is_initialized():
+                serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+
+
+app = build_app({})
+
+if __name__ == "__main__":
+    raise SystemExit(main())

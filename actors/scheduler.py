@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -334,18 +335,22 @@ class DataParallelScheduler:
     def num_free_slots(self) -> int:
         return sum(r.num_free_slots for r in self.ranks)
 
-    def step(self) -> list[Request]:
-        plans = [rank.plan() for rank in self.ranks]
-        if all(p.kind == "idle" for p in plans):
-            return []
+    def step(self, lock: AbstractContextManager = nullcontext()) -> list[Request]:
+        """Plan and commit under `lock`; the runners' work happens outside it, so requests
+        can be submitted (and stats read) while a step runs."""
+        with lock:
+            plans = [rank.plan() for rank in self.ranks]
+            if all(p.kind == "idle" for p in plans):
+                return []
         start = time.perf_counter()
         results = self.executor.execute_all([(p.meta, p.draft_input) for p in plans])
-        self.execute_s += time.perf_counter() - start
-        self.executed_steps += 1
-        progressed: list[Request] = []
-        for rank, plan, (ext, draft_input) in zip(self.ranks, plans, results):
-            progressed += rank.commit(plan, ext, draft_input)
-        return progressed
+        with lock:
+            self.execute_s += time.perf_counter() - start
+            self.executed_steps += 1
+            progressed: list[Request] = []
+            for rank, plan, (ext, draft_input) in zip(self.ranks, plans, results):
+                progressed += rank.commit(plan, ext, draft_input)
+            return progressed
 
     def fail_all(self, message: str) -> list[Request]:
         return [r for rank in self.ranks for r in rank.fail_all(message)]

@@ -39,6 +39,7 @@ class SchedulerActor:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._subscribers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._aborts: list[int] = []
         self._stop = False
         self._steps = 0
         self._thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
@@ -49,18 +50,28 @@ class SchedulerActor:
     def _loop(self) -> None:
         while not self._stop:
             with self._lock:
+                self._apply_aborts()
                 busy = self.dp.has_unfinished()
-                if busy:
-                    try:
-                        progressed = self.runtime.step()
-                    except Exception as exc:  # noqa: BLE001 - never leave a client hanging
-                        log.exception("step failed beyond recovery")
-                        progressed = self.dp.fail_all(f"engine error: {exc}")
-                    self._steps += 1
-                    self._publish(progressed)
             if not busy:
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
+                continue
+            try:
+                progressed = self.runtime.step(self._lock)
+            except Exception as exc:  # noqa: BLE001 - never leave a client hanging
+                log.exception("step failed beyond recovery")
+                with self._lock:
+                    progressed = self.dp.fail_all(f"engine error: {exc}")
+            with self._lock:
+                self._steps += 1
+                self._publish(progressed)
+
+    def _apply_aborts(self) -> None:
+        """Aborts wait for the step in flight to commit: its slots are still in use."""
+        for rid in self._aborts:
+            self.dp.abort(rid)
+            self._subscribers.pop(rid, None)
+        self._aborts.clear()
 
     def _publish(self, requests) -> None:
         for request in requests:
@@ -106,8 +117,8 @@ class SchedulerActor:
 
     def abort(self, rid: int) -> None:
         with self._lock:
-            self.dp.abort(rid)
-            self._subscribers.pop(rid, None)
+            self._aborts.append(rid)
+        self._wakeup.set()
 
     def stats(self) -> dict:
         with self._lock:

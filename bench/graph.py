@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     spec = ({"speculative_algorithm": "EAGLE3", "draft_model": args.draft_model} if args.draft_model
             else {"speculative_algorithm": "NGRAM", "num_steps": 4})
     algorithms = {"none": {}, spec["speculative_algorithm"].lower(): spec}
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     base = {"model": args.model, "kv_slots": 8192, "max_running_requests": max(levels)}
     result = {"meta": {"model": args.model, "max_tokens": args.max_tokens, "torch": torch.__version__,
                        "python": platform.python_version(), "threads": torch.get_num_threads(),

@@ -27,7 +27,7 @@ def ensure_ray() -> bool:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
         return False
-    ray.init()
+    ray.init(address="local")  # never attach to some other cluster on this machine by accident
     return True
 
 

@@ -12,6 +12,7 @@ Requests that cannot be recovered end with finish_reason "error", never a hang.
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager, nullcontext
 
 import ray
 from ray.exceptions import RayError
@@ -93,13 +94,16 @@ class GraphRuntime:
 
     # ---- stepping and recovery -----------------------------------------------------
 
-    def step(self) -> list[Request]:
-        self._maybe_resume_speculation()
+    def step(self, lock: AbstractContextManager = nullcontext()) -> list[Request]:
+        """One step of every rank; scheduler state is only touched while holding `lock`."""
+        with lock:
+            self._maybe_resume_speculation()
         try:
-            return self.dp.step()
+            return self.dp.step(lock)
         except RayError as exc:
             log.warning("step failed (%s); recovering", type(exc).__name__)
-            return self._recover(exc)
+            with lock:
+                return self._recover(exc)
 
     def _teardown(self) -> None:
         try:

@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_session():
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,0 +1,432 @@
+"""The OpenAI HTTP server: request translation (fast, no Ray), then one real Serve app on a
+tiny EAGLE-3 pair driven by the official `openai` client and raw httpx requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+import serve_app
+from graphs.metrics import ServeMetrics, merge, render
+from serve_app import APIError, build_app, parse_request, split_args
+
+REPO = Path(__file__).resolve().parent.parent
+API_KEY = "test-key"
+SERVED = "tiny"
+
+
+# ---- unit: request validation and translation ------------------------------------------------
+
+
+def test_completion_request_translation():
+    req = parse_request({"model": SERVED, "prompt": ["w1 w2"], "max_tokens": 5, "stop": "w3", "seed": 7,
+                         "temperature": 0, "logprobs": None, "user": "u", "unknown_field": 1}, False, [SERVED, "/p"])
+    assert (req.prompt, req.max_tokens, req.model, req.stream) == ("w1 w2", 5, SERVED, False)
+    assert req.sampling == {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": 7, "stop": ["w3"], "ignore_eos": False}
+    assert parse_request({"prompt": [[1, 2]]}, False, [SERVED]).prompt == [1, 2]
+    assert parse_request({"prompt": "x"}, False, [SERVED]).max_tokens == 16  # OpenAI's default
+    assert parse_request({"model": "/p", "prompt": "x"}, False, [SERVED, "/p"]).model == SERVED
+
+
+def test_chat_request_translation():
+    req = parse_request({"messages": [{"role": "system", "content": "w1"},
+                                      {"role": "user", "content": [{"type": "text", "text": "w2"}]}],
+                         "max_completion_tokens": 3, "max_tokens": 9, "stream": True,
+                         "stream_options": {"include_usage": True}}, True, [SERVED])
+    assert req.messages == [{"role": "system", "content": "w1"}, {"role": "user", "content": "w2"}]
+    assert (req.max_tokens, req.stream, req.include_usage) == (3, True, True)
+    assert parse_request({"messages": [{"role": "user", "content": "x"}]}, True, [SERVED]).max_tokens is None
+
+
+@pytest.mark.parametrize("body,chat,status,param", [
+    ({"prompt": "x", "max_tokens": -1}, False, 400, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, False, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, False, 400, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, False, 400, "top_p"),
+    ({"prompt": "x", "top_p": 0}, False, 400, "top_p"),
+    ({"prompt": "x", "n": 2}, False, 400, "n"),
+    ({"prompt": ["a", "b"]}, False, 400, "prompt"),
+    ({"prompt": []}, False, 400, "prompt"),
+    ({"prompt": 5}, False, 400, "prompt"),
+    ({"prompt": "x", "max_tokens": "5"}, False, 400, "max_tokens"),
+    ({"prompt": "x", "stream": "yes"}, False, 400, "stream"),
+    ({"prompt": "x", "stop": [""]}, False, 400, "stop"),
+    ({"max_tokens": 3}, False, 400, "prompt"),
+    ({"prompt": "x", "model": "gpt-4"}, False, 404, "model"),
+    ({"messages": []}, True, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, True, 400, "messages"),
+    ({"messages": "hello"}, True, 400, "messages"),
+    ({"prompt": "x"}, True, 400, "messages"),
+    ([1, 2], False, 400, None),
+])
+def test_bad_requests_are_400_or_404(body, chat, status, param):
+    with pytest.raises(APIError) as info:
+        parse_request(body, chat, [SERVED])
+    err = info.value
+    assert (err.status, err.param) == (status, param)
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_app_args_and_deployment_options(tiny_target):
+    engine, settings = split_args({"model": str(tiny_target), "num_steps": "2", "max_replicas": "3",
+                                   "max_running_requests": 8, "api_key": "k"})
+    assert engine["num_steps"] == 2 and settings.max_replicas == 3 and settings.api_key == "k"
+    assert engine["speculative_algorithm"] == serve_app.DEFAULT_SPECULATION["speculative_algorithm"]
+    assert split_args({})[0]["model"] == serve_app.DEFAULT_MODEL
+    assert split_args({"model": str(tiny_target), "speculative_algorithm": "NONE"})[0]["speculative_algorithm"] == "NONE"
+    assert split_args({"model": str(tiny_target), "max_model_len": "null"})[0]["max_model_len"] is None
+    with pytest.raises(ValueError, match="unknown argument"):
+        split_args({"modle": "x"})
+    with pytest.raises(ValueError, match="num_steps"):
+        split_args({"model": str(tiny_target), "num_steps": 0})
+    app = build_app({"model": str(tiny_target), "speculative_algorithm": "NONE", "max_replicas": 3,
+                     "max_running_requests": 8})
+    engine_dep = app._bound_deployment.init_args[0]._bound_deployment
+    auto = engine_dep._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 6.0)
+    bundles = engine_dep._replica_config.placement_group_bundles
+    assert len(bundles) == 3 and bundles[1] == {"CPU": 1.0}  # replica, target, draft (none: a sliver)
+    assert engine_dep._replica_config.placement_group_strategy == "PACK"
+    assert engine_dep.max_ongoing_requests >= 8 + 256
+
+
+def test_metrics_merge_and_render():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from actors.request import RequestOutput
+
+    a, b = ServeMetrics(), ServeMetrics()
+    a.set_draft_depth(3)
+    a.record_request("/v1/completions", 200)
+    b.record_request("/v1/completions", 200)
+    a.record_finished(RequestOutput(0, [1] * 6, "", "length", 4, 6, 3, [2, 3]), 0.0, 1.0)
+    b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100})
+    families = {f.name: f for f in text_string_to_metric_families(render(merge([a.snapshot(), b.snapshot()])))}
+    assert families["specgraph_requests"].samples[0].value == 2
+    assert [s.value for s in families["specgraph_spec_acceptance_rate"].samples] == [1.0, 1.0, 0.5]
+    assert families["specgraph_kv_cache_usage"].samples[0].value == 0.25
+    assert families["specgraph_num_requests_waiting"].samples[0].value == 2
+    hist = {s.name: s.value for s in families["specgraph_acceptance_length"].samples}
+    assert hist["specgraph_acceptance_length_count"] == 1 and hist["specgraph_acceptance_length_sum"] == 2.0
+
+
+def test_cli_help():
+    out = subprocess.run([sys.executable, "serve_app.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for flag in ("--port", "--api-key", "--speculative-algorithm", "--draft-model", "--max-model-len"):
+        assert flag in out.stdout
+
+
+# ---- integration: one Serve app for the module -------------------------------------------------
+
+
+def _free_port() -> int:
+    ports = list(range(8100, 9000))
+    random.shuffle(ports)
+    for port in ports:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 8100-8999")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, tiny_eagle3_shared):
+    import ray
+    from ray import serve
+
+    port = _free_port()
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({
+            "model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": str(tiny_eagle3_shared),
+            "num_steps": 3, "kv_slots": 4096, "max_running_requests": 16, "max_model_len": 256,
+            "api_key": API_KEY, "served_model_name": SERVED, "max_queue": 64,
+        }), name="default", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def engine_handle(server):
+    from ray import serve
+
+    return serve.get_deployment_handle(serve_app.ENGINE_DEPLOYMENT, app_name="default")
+
+
+def _headers() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _metrics(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+GREEDY = dict(temperature=0, max_tokens=12)
+PROMPTS = ["w1 w2 w3 w4", "w10 w11 w12", "w5 w6 w5 w6 w5 w6", "w40 w41"]
+
+
+@pytest.mark.integration
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server}/health", timeout=30).json() == {"status": "ok"}  # no key needed
+    assert [m.id for m in client.models.list().data] == [SERVED]
+
+
+@pytest.mark.integration
+def test_completion_and_chat(client):
+    out = client.completions.create(model=SERVED, prompt="w1 w2 w3", extra_body={"ignore_eos": True}, **GREEDY)
+    assert out.object == "text_completion" and out.model == SERVED and out.id.startswith("cmpl-")
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.index == 0 and choice.text
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 12, 15)
+    assert len(choice.text.split()) == 12  # word-level tokenizer: one word per token
+    chat = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "w1 w2 w3"}],
+                                          extra_body={"ignore_eos": True}, **GREEDY)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == 3 and chat.usage.completion_tokens == 12
+    assert chat.choices[0].message.content == choice.text  # the template adds nothing the tokenizer keeps
+    ids = client.completions.create(model=SERVED, prompt=[1, 2, 3], extra_body={"ignore_eos": True}, **GREEDY)
+    assert ids.choices[0].text == choice.text  # "w1 w2 w3" is ids [1, 2, 3]
+
+
+@pytest.mark.integration
+def test_streaming_concatenates_to_the_non_streamed_text(client):
+    for prompt in PROMPTS[:2]:
+        full = client.completions.create(model=SERVED, prompt=prompt, **GREEDY)
+        chunks = list(client.completions.create(model=SERVED, prompt=prompt, stream=True,
+                                                stream_options={"include_usage": True}, **GREEDY))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+        messages = [{"role": "user", "content": prompt}]
+        chat = client.chat.completions.create(model=SERVED, messages=messages, **GREEDY)
+        chunks = list(client.chat.completions.create(model=SERVED, messages=messages, stream=True, **GREEDY))
+        assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+        assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+        assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+    # One token: the first event from the engine is already the finished one.
+    one = list(client.completions.create(model=SERVED, prompt="w1", max_tokens=1, temperature=0, stream=True))
+    assert [c.choices[0].finish_reason for c in one][-1] == "length" and "".join(c.choices[0].text for c in one)
+
+
+@pytest.mark.integration
+def test_stop_sequences(client):
+    base = client.completions.create(model=SERVED, prompt="w1 w2 w3", extra_body={"ignore_eos": True},
+                                     **GREEDY).choices[0].text
+    words = base.split()
+    stop = words[3]
+    expected = base[: base.index(stop)]
+    for stops in (stop, [stop, "zzz"]):
+        out = client.completions.create(model=SERVED, prompt="w1 w2 w3", stop=stops, **GREEDY)
+        assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+        streamed = client.completions.create(model=SERVED, prompt="w1 w2 w3", stop=stops, stream=True, **GREEDY)
+        assert "".join(c.choices[0].text for c in streamed) == expected
+
+
+@pytest.mark.integration
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model=SERVED, prompt="w1 w2 w3", temperature=1.0, seed=seed,
+                                         max_tokens=16, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(1), sample(2), sample(3)}) > 1
+
+
+def _assert_error(response: httpx.Response, status: int, param: str | None = "unset") -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param != "unset":
+        assert error["param"] == param
+    return error
+
+
+@pytest.mark.integration
+def test_error_cases(server, client):
+    import openai
+
+    url = f"{server}/v1/completions"
+    chat_url = f"{server}/v1/chat/completions"
+    bad_values = [
+        (dict(prompt="w1", max_tokens=-3), "max_tokens"),
+        (dict(prompt="w1", max_tokens=10**9), "max_tokens"),  # beyond the context
+        (dict(prompt="w1", temperature=-1), "temperature"),
+        (dict(prompt="w1", top_p=0), "top_p"),
+        (dict(prompt="w1", top_p=1.2), "top_p"),
+        (dict(prompt="w1", n=3), "n"),
+        (dict(prompt=" ".join(["w1"] * 300)), "prompt"),  # longer than max_model_len 256
+        (dict(prompt=[1, 2, 999]), "prompt"),  # token id outside the vocabulary
+    ]
+    for kwargs, param in bad_values:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=SERVED, **kwargs)
+        assert info.value.status_code == 400 and info.value.body["param"] == param, kwargs
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=SERVED, messages=[])
+    with pytest.raises(openai.BadRequestError):  # a stream fails before it starts, with a status
+        client.completions.create(model=SERVED, prompt=" ".join(["w1"] * 300), stream=True)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="no-such-model", prompt="w1")
+    assert info.value.body["code"] == "model_not_found"
+
+    with httpx.Client(timeout=60, headers=_headers()) as http:
+        _assert_error(http.post(url, content=b"{not json", headers={"Content-Type": "application/json"}), 400)
+        _assert_error(http.post(url, json={"max_tokens": 3}), 400, "prompt")  # missing prompt
+        _assert_error(http.post(chat_url, json={"prompt": "w1"}), 400, "messages")  # missing messages
+        _assert_error(http.post(url, json={"prompt": {"text": "w1"}}), 400, "prompt")  # wrong type
+        _assert_error(http.post(url, json={"prompt": "w1", "temperature": "hot"}), 400, "temperature")
+        _assert_error(http.post(url, json=["w1"]), 400)
+        _assert_error(http.post(url, json={"prompt": ["w1", "w2"]}), 400, "prompt")  # batches: one only
+        big = json.dumps({"prompt": "w1 " * 400_000}).encode()
+        _assert_error(http.post(url, content=big, headers={"Content-Type": "application/json"}), 413)
+
+        def chunks():  # no Content-Length: the size is counted as the body arrives
+            for _ in range(20):
+                yield b" " * 100_000
+            yield b"{}"
+
+        _assert_error(http.post(url, content=chunks(), headers={"Content-Type": "application/json"}), 413)
+        _assert_error(http.get(f"{server}/v1/nope"), 404)
+    # Auth: /v1 needs the key; /health and /metrics stay open.
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        error = _assert_error(httpx.post(url, json={"prompt": "w1"}, headers=headers, timeout=30), 401)
+        assert error["code"] == "invalid_api_key"
+    _assert_error(httpx.get(f"{server}/v1/models", timeout=30), 401)
+    assert httpx.get(f"{server}/metrics", timeout=30).status_code == 200
+
+
+@pytest.mark.integration
+def test_full_queue_is_503_with_retry_after(server, client, engine_handle):
+    import openai
+
+    old = engine_handle.set_max_queue.remote(0).result()  # 0: refuse every new request (drain)
+    try:
+        response = httpx.post(f"{server}/v1/completions", json={"prompt": "w1"}, headers=_headers(), timeout=30)
+        error = _assert_error(response, 503)
+        assert error["code"] == "queue_full" and int(response.headers["Retry-After"]) >= 1
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "w1"}], stream=True)
+    finally:
+        engine_handle.set_max_queue.remote(old).result()
+    assert client.completions.create(model=SERVED, prompt="w1", max_tokens=2).choices[0].text
+
+
+@pytest.mark.integration
+def test_32_concurrent_streams(server, client):
+    import openai
+
+    expected = {p: client.completions.create(model=SERVED, prompt=p, **GREEDY).choices[0].text for p in PROMPTS}
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(model=SERVED, prompt=prompt, stream=True, **GREEDY)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=300) as ac:
+            return await asyncio.gather(*[one(ac, PROMPTS[i % len(PROMPTS)]) for i in range(32)])
+
+    texts = asyncio.run(main())
+    assert texts == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
+
+
+def _wait_idle(engine_handle, timeout=60.0) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        stats = engine_handle.stats.remote().result()
+        if (stats["running"] == 0 and stats["waiting"] == 0 and stats["free_slots"] == stats["kv_slots"]) \
+                or time.time() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+@pytest.mark.integration
+def test_client_disconnect_aborts_and_frees_kv(server, engine_handle):
+    aborted_before = _metrics(server).get("specgraph_requests_aborted_total", 0)
+    body = {"model": SERVED, "prompt": "w1 w2", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=60, headers=_headers()) as http:
+        with http.stream("POST", f"{server}/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            got = [line for line in (next(lines) for _ in range(4)) if line.startswith("data: ")]
+            assert got
+    stats = _wait_idle(engine_handle)
+    assert stats["running"] == 0 and stats["free_slots"] == stats["kv_slots"] == 4096
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        metrics = _metrics(server)
+        if metrics["specgraph_requests_aborted_total"] > aborted_before:
+            break
+        time.sleep(0.2)
+    assert metrics["specgraph_requests_aborted_total"] == aborted_before + 1  # ended early: it did not run on
+    assert metrics["specgraph_kv_cache_usage"] == 0.0 and metrics["specgraph_num_requests_running"] == 0
+
+
+@pytest.mark.integration
+def test_metrics(server, client):
+    before = _metrics(server)
+    client.completions.create(model=SERVED, prompt="w5 w6 w5 w6 w5 w6", max_tokens=20, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    key = 'specgraph_requests_total{"endpoint": "/v1/completions", "status": "200"}'
+    assert after[key] == before.get(key, 0) + 1
+    assert after['specgraph_requests_total{"endpoint": "/v1/completions", "status": "400"}'] >= 1
+    assert after["specgraph_acceptance_length_count"] == before["specgraph_acceptance_length_count"] + 1
+    assert after["specgraph_acceptance_length_sum"] >= before["specgraph_acceptance_length_sum"] + 1.0
+    assert after["specgraph_spec_verify_steps_total"] > before["specgraph_spec_verify_steps_total"]
+    assert after["specgraph_generation_tokens_total"] == before["specgraph_generation_tokens_total"] + 20
+    assert after["specgraph_prompt_tokens_total"] == before["specgraph_prompt_tokens_total"] + 6
+    assert after["specgraph_time_to_first_token_seconds_count"] > before["specgraph_time_to_first_token_seconds_count"]
+    assert after["specgraph_time_per_output_token_seconds_count"] > before["specgraph_time_per_output_token_seconds_count"]
+    rates = [after[f'specgraph_spec_acceptance_rate{{"position": "{k}"}}'] for k in range(3)]
+    assert all(0.0 <= r <= 1.0 for r in rates) and rates == sorted(rates, reverse=True)
+    assert 0.0 <= after["specgraph_kv_cache_usage"] <= 1.0 and after["specgraph_num_requests_waiting"] >= 0
+
+
+@pytest.mark.integration
+def test_still_serving_after_all_of_it(server, client, engine_handle):
+    out = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "w7 w8"}], max_tokens=4)
+    assert out.choices[0].message.content is not None and out.usage.completion_tokens <= 4
+    stats = _wait_idle(engine_handle)
+    assert stats["free_slots"] == stats["kv_slots"]
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
