@@ -57,8 +57,8 @@ class _ModelFreeDrafter:
         batch = draft_input.num_requests
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
-        draft = self._draft_tokens(meta, draft_input)  # (B, N-1)
-        return _verify_input(draft_input.verified_id, draft, chain_parents(batch, self.tree_size), meta.seq_lens)
+        draft = self._draft_tokens(meta, draft_input)  # (B, n-1), n <= tree_size
+        return _verify_input(draft_input.verified_id, draft, chain_parents(batch, draft.shape[1] + 1), meta.seq_lens)
 
     def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
         return torch.zeros((draft_input.num_requests, self.tree_size - 1), dtype=torch.long)
@@ -73,30 +73,35 @@ class NoDrafter(_ModelFreeDrafter):
 
 class NgramDrafter(_ModelFreeDrafter):
     """Prompt lookup: find the latest earlier occurrence of the request's last n tokens
-    (n from max_ngram down to min_ngram) and propose the tokens that followed it."""
+    (n from max_ngram down to min_ngram) and propose the tokens that followed it.
+
+    The batch's chains are as long as its longest match (up to num_steps), so a step where
+    nothing matches costs what plain decoding costs."""
 
     def __init__(self, num_steps: int, max_ngram: int = 3, min_ngram: int = 1):
         super().__init__(tree_size=num_steps + 1)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
-        k = self.tree_size - 1
-        out = torch.zeros((draft_input.num_requests, k), dtype=torch.long)
-        for b, row in enumerate(meta.history.tolist()):
-            history = [t for t in row if t >= 0]
-            out[b] = torch.tensor(self.lookup(history, k))
+        histories = [[t for t in row if t >= 0] for row in meta.history.tolist()]
+        found = [self.lookup(h, self.tree_size - 1) for h in histories]
+        width = max(map(len, found), default=0)
+        out = torch.zeros((draft_input.num_requests, width), dtype=torch.long)
+        for b, (tokens, root) in enumerate(zip(found, draft_input.verified_id.tolist())):
+            # Shorter proposals are padded by repeating their last token: just more drafts to verify.
+            tokens = tokens or [root]
+            out[b] = torch.tensor(tokens + [tokens[-1]] * (width - len(tokens)))[:width]
         return out
 
     def lookup(self, history: list[int], k: int) -> list[int]:
-        """Up to k tokens continuing the longest recent n-gram match; padded by repeating the
-        last proposal (any padding is just a draft the target will verify)."""
+        """Up to k tokens that followed the longest recent match of the history's suffix
+        (none when nothing matches)."""
         for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
             suffix = history[-n:]
             for start in range(len(history) - n - 1, -1, -1):
                 if history[start : start + n] == suffix:
-                    found = history[start + n : start + n + k]
-                    return found + [found[-1]] * (k - len(found))
-        return [history[-1]] * k if history else [0] * k
+                    return history[start + n : start + n + k]
+        return []
 
 
 class DraftRunner:

@@ -6,9 +6,11 @@
         [--out bench/results/spec_bench.json] [--plot] [--no-hf]
 
 Each question's first turn goes through the chat template as one user message; decoding is
-greedy. The first N questions of each category are taken in file order. Every engine config
-builds its own engine (model load excluded from the timings), does one warmup generation,
-then runs the questions of each category in order, `--batch-size` requests at a time.
+greedy. The first N questions of each category are taken in file order. Every config is
+loaded first (model load excluded from the timings) and warmed up with one short generation;
+then the configs take turns on each question (`--batch-size` requests at a time), so load
+from other processes on a shared machine hits all of them alike (`--sequential`: one config
+at a time instead, less memory).
 
 tokens_per_s = new tokens / wall time of generation, per category; acceptance_length = output
 tokens / verify steps (the prefill step counts as one, so no speculation gives 1.0); speedup =
@@ -36,6 +38,7 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -98,15 +101,15 @@ def engine_config(name: str, args) -> EngineConfig | None:
     raise ValueError(f"--configs: unknown config {name!r} (known: {', '.join(ENGINE_CONFIGS)})")
 
 
-# A runner takes a list of prompt-id lists and returns [(token_ids, verify_steps)] in order.
-Runner = Callable[[list[list[int]]], list[tuple[list[int], int]]]
+# A runner takes a list of prompt-id lists (and optionally fewer max tokens, for the warmup)
+# and returns [(token_ids, verify_steps)] in order.
+Runner = Callable[..., list[tuple[list[int], int]]]
+WARMUP_TOKENS = 8
 
 
 def engine_runner(engine, max_tokens: int) -> Runner:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-
-    def run(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
-        outs = engine.generate(prompts, params)
+    def run(prompts: list[list[int]], limit: int | None = None) -> list[tuple[list[int], int]]:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=limit or max_tokens, temperature=0.0))
         for out in outs:
             if out.error:
                 raise RuntimeError(f"request failed: {out.error}")
@@ -119,7 +122,7 @@ def hf_runner(model, max_tokens: int, eos_ids: list[int], **generate_kwargs) -> 
     """transformers generate, one prompt at a time; verify steps = target forward calls."""
 
     @torch.inference_mode()
-    def run(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+    def run(prompts: list[list[int]], limit: int | None = None) -> list[tuple[list[int], int]]:
         results = []
         for ids in prompts:
             input_ids = torch.tensor([ids], dtype=torch.long)
@@ -127,7 +130,7 @@ def hf_runner(model, max_tokens: int, eos_ids: list[int], **generate_kwargs) -> 
             hook = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
             try:
                 out = model.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_tokens,
+                    input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=limit or max_tokens,
                     do_sample=False, temperature=None, top_p=None, top_k=None,
                     eos_token_id=eos_ids, pad_token_id=eos_ids[0], **generate_kwargs,
                 )
@@ -142,24 +145,69 @@ def hf_runner(model, max_tokens: int, eos_ids: list[int], **generate_kwargs) -> 
 # ---- measuring ----------------------------------------------------------------------------
 
 
-def measure(runner: Runner, prompts: "OrderedDict[str, list[list[int]]]", batch_size: int,
-            warmup: list[int], name: str) -> dict[str, dict[str, Any]]:
-    """Run every category; returns {category: {wall_s, tokens: [ids per question], steps: [...]}}."""
-    runner([warmup])
-    raw: dict[str, dict[str, Any]] = {}
-    for category, ids in prompts.items():
-        wall, tokens, steps = 0.0, [], []
-        for start in range(0, len(ids), batch_size):
-            chunk = ids[start:start + batch_size]
-            t0 = time.perf_counter()
-            outs = runner(chunk)
-            wall += time.perf_counter() - t0
-            tokens += [t for t, _ in outs]
-            steps += [s for _, s in outs]
-        raw[category] = {"wall_s": wall, "tokens": tokens, "steps": steps}
-        n = sum(map(len, tokens))
-        print(f"[spec_bench] {name:18s} {category:16s} {n:5d} tok {wall:7.2f} s "
-              f"{n / max(wall, 1e-9):7.2f} tok/s  accept {n / max(1, sum(steps)):.2f}", file=sys.stderr)
+# A factory loads one config (model load, untimed) and returns (runner, batch size, close).
+Factory = Callable[[], tuple[Runner, int, Callable[[], None]]]
+
+
+def _log(name: str, category: str, r: dict[str, Any]) -> None:
+    n = sum(map(len, r["tokens"]))
+    print(f"[spec_bench] {name:18s} {category:16s} {n:5d} tok {r['wall_s']:7.2f} s "
+          f"{n / max(r['wall_s'], 1e-9):7.2f} tok/s  accept {n / max(1, sum(r['steps'])):.2f}", file=sys.stderr)
+
+
+def measure(factories: "OrderedDict[str, Factory]", prompts: "OrderedDict[str, list[list[int]]]",
+            warmup: list[int], max_tokens: int, interleave: bool = True) -> dict[str, dict[str, dict[str, Any]]]:
+    """Time every config on every category: {config: {category: {wall_s, tokens, steps}}}.
+
+    Interleaved (the default), every config is loaded first and the configs take turns on each
+    batch of questions, so load from other processes on a shared machine hits them alike;
+    otherwise one config is loaded, measured and freed at a time (less memory).
+    """
+    raw: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in factories}
+
+    def load(name: str):
+        t0 = time.perf_counter()
+        runner, batch_size, close = factories[name]()
+        runner([warmup], min(WARMUP_TOKENS, max_tokens))
+        print(f"[spec_bench] {name}: loaded and warmed up in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        return runner, batch_size, close
+
+    def run(name: str, runner: Runner, category: str, chunk: list[list[int]]) -> None:
+        entry = raw[name].setdefault(category, {"wall_s": 0.0, "tokens": [], "steps": []})
+        t0 = time.perf_counter()
+        outs = runner(chunk)
+        entry["wall_s"] += time.perf_counter() - t0
+        entry["tokens"] += [t for t, _ in outs]
+        entry["steps"] += [s for _, s in outs]
+
+    def chunks(ids: list[list[int]], size: int):
+        return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+    if interleave:
+        loaded = OrderedDict((name, load(name)) for name in factories)
+        try:
+            for category, ids in prompts.items():
+                for i in range(len(ids)):
+                    for name, (runner, batch_size, _) in loaded.items():
+                        if i % batch_size == 0:  # a config's batch starts at this question
+                            run(name, runner, category, ids[i:i + batch_size])
+                for name in loaded:
+                    _log(name, category, raw[name][category])
+        finally:
+            for _, _, close in loaded.values():
+                close()
+    else:
+        for name in factories:
+            runner, batch_size, close = load(name)
+            try:
+                for category, ids in prompts.items():
+                    for chunk in chunks(ids, batch_size):
+                        run(name, runner, category, chunk)
+                    _log(name, category, raw[name][category])
+            finally:
+                close()
+                del runner
+                gc.collect()
     return raw
 
 
@@ -210,7 +258,7 @@ def plot(result: dict, path: Path) -> Path:
 
     configs = list(result["results"])
     categories = [c for c in next(iter(result["results"].values()))] if configs else []
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 1.0 * len(categories) * max(1, len(configs)) / 2), 8),
+    fig, axes = plt.subplots(2, 1, figsize=(min(20, max(8, 0.35 * len(categories) * max(1, len(configs)))), 8),
                              sharex=True)
     width = 0.8 / max(1, len(configs))
     for ax, key, label in ((axes[0], "acceptance_length", "acceptance length (tokens / verify step)"),
@@ -236,6 +284,39 @@ def plot(result: dict, path: Path) -> Path:
 # ---- main ---------------------------------------------------------------------------------
 
 
+def _engine_factory(cfg: EngineConfig, args) -> Factory:
+    def make():
+        engine = build_graph(cfg)
+        return engine_runner(engine, args.max_tokens), args.batch_size, engine.shutdown
+
+    return make
+
+
+def _hf_factory(name: str, args, eos_ids: list[int], shared: dict[str, Any]) -> Factory:
+    """transformers configs share one target model (and one assistant), loaded on first use."""
+
+    def load(key: str, model: str):
+        if key not in shared:
+            from transformers import AutoModelForCausalLM
+
+            from models.loader import resolve_model
+
+            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+                args.dtype, torch.float32)
+            shared[key] = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).eval()
+        return shared[key]
+
+    def make():
+        kwargs: dict[str, Any] = {}
+        if name == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = args.ngram_steps
+        elif name == "hf-assisted":
+            kwargs["assistant_model"] = load("assistant", args.draft_standalone)
+        return hf_runner(load("target", args.model), args.max_tokens, eos_ids, **kwargs), 1, shared.clear
+
+    return make
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.spec_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
@@ -256,6 +337,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baselines")
+    p.add_argument("--sequential", action="store_true",
+                   help="load and measure one config at a time (less memory) instead of interleaving them")
     args = p.parse_args(argv)
     for name in ("per_category", "max_tokens", "batch_size", "ngram_steps", "standalone_steps"):
         if getattr(args, name) < 1:
@@ -284,8 +367,9 @@ def main(argv: list[str] | None = None) -> dict:
     # Tokenize once, exactly as the engine does (Engine.encode_chat needs only the tokenizer).
     target = ModelSource.resolve(args.model)
     tokenizer = load_tokenizer(target.folder)
-    encoder = Engine(None, None, tokenizer)
-    prompts = OrderedDict((c, [encoder.encode_chat(messages(q["prompt"])) for q in qs]) for c, qs in questions.items())
+    encoder = SimpleNamespace(tokenizer=tokenizer)
+    prompts = OrderedDict((c, [Engine.encode_chat(encoder, messages(q["prompt"])) for q in qs])
+                          for c, qs in questions.items())
     eos_ids = sorted(eos_token_ids(target, tokenizer))
     warmup = next(iter(prompts.values()))[0]
     if args.kv_slots is None:
@@ -293,49 +377,27 @@ def main(argv: list[str] | None = None) -> dict:
         longest = max(len(p) for ps in prompts.values() for p in ps)
         args.kv_slots = args.batch_size * (longest + args.max_tokens + 2 * 64) + 64
 
-    results: dict[str, dict] = {}
+    factories: OrderedDict[str, Factory] = OrderedDict()
     skipped: dict[str, str] = {}
-    reference = None
     for name in names:
         cfg = engine_config(name, args)
         if cfg is None:
             skipped[name] = "needs " + ("--draft-eagle3" if name.startswith("eagle3") else "--draft-standalone")
             print(f"[spec_bench] skip {name}: {skipped[name]}", file=sys.stderr)
             continue
-        t0 = time.perf_counter()
-        engine = build_graph(cfg)
-        print(f"[spec_bench] {name}: engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        raw = measure(engine_runner(engine, args.max_tokens), prompts, args.batch_size, warmup, name)
-        engine.shutdown()
-        del engine
-        gc.collect()
-        if name == REFERENCE:
-            reference = raw
-        results[name] = summarize(raw, reference)
-
+        factories[name] = _engine_factory(cfg, args)
     hf_configs: list[str] = []
     if not args.no_hf:
-        from transformers import AutoModelForCausalLM
-
-        from models.loader import resolve_model
-
-        folder = resolve_model(args.model)
-        hf_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-            args.dtype, torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=hf_dtype).eval()
-        runs: list[tuple[str, dict]] = [("hf", {}), ("hf-prompt-lookup", {"prompt_lookup_num_tokens": args.ngram_steps})]
-        assistant = None
-        if args.draft_standalone:
-            assistant = AutoModelForCausalLM.from_pretrained(resolve_model(args.draft_standalone), dtype=hf_dtype).eval()
-            runs.append(("hf-assisted", {"assistant_model": assistant}))
+        hf_configs = ["hf", "hf-prompt-lookup"] + (["hf-assisted"] if args.draft_standalone else [])
         if args.batch_size != 1:
             print("[spec_bench] transformers baselines run one prompt at a time", file=sys.stderr)
-        for name, kwargs in runs:
-            raw = measure(hf_runner(model, args.max_tokens, eos_ids, **kwargs), prompts, 1, warmup, name)
-            results[name] = summarize(raw, reference)
-            hf_configs.append(name)
-        del model, assistant
-        gc.collect()
+        shared: dict[str, Any] = {}
+        for name in hf_configs:
+            factories[name] = _hf_factory(name, args, eos_ids, shared)
+
+    raw = measure(factories, prompts, warmup, args.max_tokens, interleave=not args.sequential)
+    reference = raw[REFERENCE]
+    results = {name: summarize(raw[name], reference) for name in factories}
 
     out_path = Path(args.out)
     result = {
@@ -344,6 +406,8 @@ def main(argv: list[str] | None = None) -> dict:
             "max_tokens": args.max_tokens,
             "per_category": args.per_category,
             "batch_size": args.batch_size,
+            "interleaved": not args.sequential,
+            "kv_slots": args.kv_slots,
             "num_questions": n_q,
             "categories": list(questions),
             "questions": str(args.questions),

@@ -70,13 +70,16 @@ def test_spec_bench_draft_configs(tiny_target, tiny_standalone, tiny_eagle3_own,
     assert not out.with_suffix(".png").exists()
 
 
-def test_draft_configs_skipped_without_drafts(tiny_target, questions, tmp_path):
+def test_sequential_and_draft_configs_skipped_without_drafts(tiny_target, questions, tmp_path):
     result = spec_bench.main([
         "--model", str(tiny_target), "--questions", str(questions), "--per-category", "1",
-        "--max-tokens", "4", "--configs", "eagle3,standalone", "--no-hf", "--out", str(tmp_path / "r.json"),
+        "--max-tokens", "6", "--configs", "eagle3,ngram,standalone", "--no-hf", "--sequential",
+        "--batch-size", "2", "--out", str(tmp_path / "r.json"),
     ])
-    assert list(result["results"]) == ["none"]
+    assert list(result["results"]) == ["none", "ngram"]
     assert set(result["meta"]["skipped"]) == {"eagle3", "standalone"}
+    assert result["meta"]["interleaved"] is False
+    assert result["results"]["ngram"]["overall"]["mismatches"] == 0
 
 
 def test_load_questions_first_n_per_category_in_file_order(questions):

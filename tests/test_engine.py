@@ -131,3 +131,12 @@ def test_engine_config_validation_names_the_field(tiny_target, field, value):
               "num_draft_tokens": 6, field: value}
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_ngram_lookup_proposes_only_what_matched():
+    from actors.draft_runner import NgramDrafter
+
+    drafter = NgramDrafter(num_steps=4)
+    assert drafter.lookup([1, 2, 3, 4], 4) == []  # no match: the step is a plain decode
+    assert drafter.lookup([5, 6, 7, 8, 9, 5, 6], 4) == [7, 8, 9, 5]  # the longest suffix match wins
+    assert drafter.lookup([1, 9, 2, 9], 4) == [2, 9]
