@@ -20,7 +20,7 @@ import ray
 import yaml
 from ray import serve
 
-from test_jobs import _free_port
+from netutil import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("autoscaling")
     config = root / "cluster.yaml"
     config.write_text(yaml.safe_dump(FAKE_CLUSTER))
-    dash = _free_port(8400, 8999)
+    dash = free_port(8400, 8999)
     env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled",
                PATH=f"{VENV_BIN}:{os.environ['PATH']}")
     log = open(root / "head.log", "w")
@@ -102,7 +102,7 @@ def _alive_nodes() -> int:
 
 def test_serve_and_cluster_scale_up_and_down(cluster, tiny_target):
     root, dash = cluster
-    port = _free_port(8100, 8399)
+    port = free_port(8100, 8399)
     config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from jobs.batch_generate import completed_ids, parse_line, plan
+from netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -48,27 +48,14 @@ def test_resume_cuts_a_torn_line_and_skips_done_ids(tmp_path):
     assert errors[0]["line"] == 3 and "duplicate" in errors[0]["reason"]
 
 
-def _free_port(low: int, high: int, taken: tuple[int, ...] = ()) -> int:
-    for port in range(low, high):
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port")
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """`ray start --head --block` on free ports (GCS in 63xx, the rest in 8xxx, away from the
     defaults another Ray on this machine may hold), stopped at the end."""
-    gcs = _free_port(6380, 6400)
+    gcs = free_port(6380, 6400)
     ports: tuple[int, ...] = ()
     for _ in range(4):
-        ports += (_free_port(8265, 8999, ports),)
+        ports += (free_port(8265, 8999, ports),)
     dash, agent_http, agent_grpc, runtime_env = ports
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PATH=f"{VENV_BIN}:{os.environ['PATH']}")
     log = open(tmp_path_factory.mktemp("head") / "head.log", "w")

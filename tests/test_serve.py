@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ import httpx
 import pytest
 
 import serve_app
+from netutil import free_port
 from graphs.metrics import ServeMetrics, merge, render
 from serve_app import APIError, build_app, parse_request, split_args
 
@@ -130,25 +129,12 @@ def test_cli_help():
 # ---- integration: one Serve app for the module -------------------------------------------------
 
 
-def _free_port() -> int:
-    ports = list(range(8100, 9000))
-    random.shuffle(ports)
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 8100-8999")
-
-
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_eagle3_shared):
     import ray
     from ray import serve
 
-    port = _free_port()
+    port = free_port(8100, 9000)
     ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

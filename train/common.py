@@ -291,3 +291,33 @@ class Timer:
     @property
     def elapsed(self) -> float:
         return time.time() - self.start
+
+
+def add_training_args(p, lr: float) -> None:
+    """The command-line options every draft trainer shares (data, schedule, workers, resume, eval)."""
+    p.add_argument("--target", default="smollm2-135m-instruct")
+    p.add_argument("--out", required=True)
+    p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"))
+    p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
+    p.add_argument("--max-sequences", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--holdout", type=float, default=0.03)
+    p.add_argument("--topk", type=int, default=32, help="target logits kept per position (soft labels)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--token-budget", type=int, default=2048, help="padded tokens per batch per worker")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--no-ray", action="store_true", help="run the loop in this process (debugging)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--work-dir", default="", help="optimizer state, logs, Ray files (default: cache/train/runs/<out name>)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-prompts", default="", help="jsonl of held-out prompts: measure acceptance after training")
+    p.add_argument("--eval-n", type=int, default=40)
+    p.add_argument("--eval-max-tokens", type=int, default=128)
