@@ -321,3 +321,8 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--eval-prompts", default="", help="jsonl of held-out prompts: measure acceptance after training")
     p.add_argument("--eval-n", type=int, default=40)
     p.add_argument("--eval-max-tokens", type=int, default=128)
+
+
+def work_dir(args) -> Path:
+    """Where a trainer keeps optimizer state, logs and Ray files (outside the shipped draft)."""
+    return Path(args.work_dir).expanduser() if args.work_dir else DEFAULT_DATA / "runs" / Path(args.out).name

@@ -190,10 +190,6 @@ class TTTModel(nn.Module):
 
 # ---- driver ---------------------------------------------------------------------------------
 
-def work_dir(args) -> Path:
-    return Path(args.work_dir).expanduser() if args.work_dir else common.DEFAULT_DATA / "runs" / Path(args.out).name
-
-
 def prepare(args) -> dict:
     """Vocab, features (cached), draft config and init tensors; returns the worker config."""
     from models.build import ModelSource
@@ -201,7 +197,7 @@ def prepare(args) -> dict:
     from spec.shapes import get_target_aux_layer_ids
 
     out = Path(args.out)
-    state_dir = work_dir(args)
+    state_dir = common.work_dir(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
@@ -269,19 +265,7 @@ def main(argv=None) -> None:
     start = time.time()
     cfg = prepare(args)
     loop.run(cfg, args.num_workers)
-    out = Path(args.out)
-    wall = time.time() - start
-    summary = {"wall_s": round(wall, 1)}
-    if args.eval_prompts:
-        from train.evaluate import measure_acceptance
-
-        summary["acceptance"] = measure_acceptance(args.target, str(out), "EAGLE3", args.eval_prompts, args.eval_n,
-                                                   args.eval_max_tokens, num_steps=args.ttt_steps)
-    (work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
-    from train.card import write_card
-
-    write_card(out, work_dir(args), "eagle3", args.target, vars(args))
-    print(json.dumps(summary))
+    loop.report(args, start, "eagle3", "EAGLE3", args.ttt_steps)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -180,3 +181,19 @@ def run(cfg: dict, num_workers: int) -> None:
             ray.shutdown()
 
 
+def report(args, start: float, kind: str, algorithm: str, eval_steps: int) -> dict:
+    """After training: measure acceptance on held-out prompts (if given), write the run
+    summary and the draft's model card, print the summary."""
+    out = Path(args.out)
+    summary = {"wall_s": round(time.time() - start, 1)}
+    if args.eval_prompts:
+        from train.evaluate import measure_acceptance
+
+        summary["acceptance"] = measure_acceptance(args.target, str(out), algorithm, args.eval_prompts, args.eval_n,
+                                                   args.eval_max_tokens, num_steps=eval_steps)
+    (common.work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
+    from train.card import write_card
+
+    write_card(out, common.work_dir(args), kind, args.target, vars(args))
+    print(json.dumps(summary))
+    return summary

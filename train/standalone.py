@@ -106,16 +106,12 @@ class DistillModel(nn.Module):
         return loss, [(float(loss.detach()), float(acc), int(sel.sum()))]
 
 
-def work_dir(args) -> Path:
-    return Path(args.work_dir).expanduser() if args.work_dir else common.DEFAULT_DATA / "runs" / Path(args.out).name
-
-
 def prepare(args) -> dict:
     from models.build import ModelSource
     from models.loader import TensorSource
     from spec.shapes import get_target_aux_layer_ids
 
-    out, state_dir = Path(args.out), work_dir(args)
+    out, state_dir = Path(args.out), common.work_dir(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
@@ -174,17 +170,7 @@ def main(argv=None) -> None:
     start = time.time()
     cfg = prepare(args)
     loop.run(cfg, args.num_workers)
-    summary = {"wall_s": round(time.time() - start, 1)}
-    if args.eval_prompts:
-        from train.evaluate import measure_acceptance
-
-        summary["acceptance"] = measure_acceptance(args.target, str(Path(args.out)), "STANDALONE", args.eval_prompts,
-                                                   args.eval_n, args.eval_max_tokens, num_steps=args.eval_steps)
-    (work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
-    from train.card import write_card
-
-    write_card(Path(args.out), work_dir(args), "standalone", args.target, vars(args))
-    print(json.dumps(summary))
+    loop.report(args, start, "standalone", "STANDALONE", args.eval_steps)
 
 
 if __name__ == "__main__":
