@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from actors.request import IncrementalDetokenizer, Request, RequestOutput
+from actors.request import IncrementalDetokenizer, Request
 from actors.slots import SlotAllocator
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput
@@ -293,8 +293,6 @@ class Scheduler:
         self.running = [self.running[i] for i in keep]
         self.draft_input = self.draft_input.filter(keep)
 
-    def outputs_of(self, requests: list[Request]) -> list[RequestOutput]:
-        return [r.output() for r in requests]
 
 
 class DataParallelScheduler:

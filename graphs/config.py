@@ -69,6 +69,10 @@ class EngineConfig:
         if self.dp_size > 1 and self.backend != "ray":
             raise ValueError("dp_size: data parallelism needs backend='ray'")
 
+    def runner_kwargs(self, num_threads: int | None) -> dict:
+        """What every runner is built with besides its model: KV pool size, dtype, device, threads."""
+        return dict(num_slots=self.kv_slots, dtype=self.dtype, device=self.device, num_threads=num_threads)
+
     @property
     def tree_size(self) -> int:
         """Nodes verified per request and step, the root (last verified token) included."""

@@ -156,8 +156,7 @@ class LocalEngine(Engine):
 
 def build_local(config: EngineConfig) -> Engine:
     target, draft = resolve_sources(config)
-    runner_kwargs = dict(num_slots=config.kv_slots, dtype=config.dtype, device=config.device,
-                         num_threads=config.num_threads)
+    runner_kwargs = config.runner_kwargs(config.num_threads)
     target_runner = TargetRunner(config.model, config.algorithm, config.draft_model, **runner_kwargs)
     drafter = make_drafter(config, **runner_kwargs)
     tokenizer = load_tokenizer(target.folder)

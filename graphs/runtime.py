@@ -64,8 +64,7 @@ class GraphRuntime:
         )
 
     def _runner_kwargs(self, num_cpus: float) -> dict:
-        c = self.config
-        return dict(num_slots=c.kv_slots, dtype=c.dtype, device=c.device, num_threads=max(1, int(num_cpus)))
+        return self.config.runner_kwargs(num_threads=max(1, int(num_cpus)))  # one torch thread per CPU granted
 
     def _new_target(self, rank: int):
         c = self.config
