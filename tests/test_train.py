@@ -147,6 +147,29 @@ def test_ttt_forward_matches_inference_draft_steps(tiny):
                 hidden, lineage = rec_k, lineage + [slot]
 
 
+def test_fresh_head_starts_from_the_deepest_aux_state(tiny):
+    """A head as wide as the target starts with fc = select(deepest aux state) and lm_head/norm from
+    the target, so its step-0 hidden is that layer's residual stream and it drafts the target's
+    logit lens from the first step; a narrower head has nothing to copy and starts random."""
+    from models.build import ModelSource
+    from spec.shapes import get_target_aux_layer_ids
+    from train.eagle3 import draft_config, new_draft
+
+    target = ModelSource.resolve(str(tiny["target"]))
+    tcfg = json.loads((tiny["target"] / "config.json").read_text())
+    aux_ids = get_target_aux_layer_ids(target.config, None)
+    ids = torch.arange(VOCAB)
+    d2t, t2d = common.vocab_maps(ids, VOCAB)
+    embed, norm = torch.randn(VOCAB, 64), torch.rand(64) + 0.5
+    aux = torch.randn(5, len(aux_ids) * 64)  # (T, num_aux * Ht)
+    shared = new_draft(draft_config(tcfg, VOCAB, [i - 1 for i in aux_ids]), embed, norm, d2t, t2d)
+    torch.testing.assert_close(shared.fc(aux), aux[:, -64:])
+    torch.testing.assert_close(shared.lm_head.weight, embed)
+    narrow = new_draft(draft_config(tcfg, VOCAB, [i - 1 for i in aux_ids], hidden=32, heads=4, kv_heads=2),
+                       torch.randn(VOCAB, 64), None, d2t, t2d)
+    assert narrow.fc.weight.shape == (32, len(aux_ids) * 64) and narrow.fc.weight.abs().max() < 0.2
+
+
 def test_eagle3_trainer_end_to_end(tiny):
     from models.build import ModelSource, build_draft
     from spec.algorithm import SpecAlgorithm
