@@ -248,7 +248,7 @@ def prepare(args) -> dict:
         "held_shards": [str(p) for p in held], "epochs": args.epochs, "max_steps": args.max_steps,
         "token_budget": args.token_budget, "lr": args.lr, "warmup": args.warmup, "ttt_steps": args.ttt_steps,
         "decay": args.decay, "seed": args.seed, "threads": args.threads, "resume": args.resume,
-        "save_every": args.save_every, "eval_every": args.eval_every, "use_gpu": args.use_gpu,
+        "save_every": args.save_every, "eval_every": args.eval_every, "use_gpu": args.use_gpu, "amp": args.amp,
         "save_dtype": {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.save_dtype],
         "use_ray": not args.no_ray, "kind": "eagle3",
     }

@@ -97,13 +97,17 @@ def train_loop(cfg: dict) -> None:
     def to_dev(batch):
         return {k: v.to(device) for k, v in batch.items()}
 
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["amp"] == "bf16")
+
     def evaluate():
         module = model.module if hasattr(model, "module") else model
         module.eval()
         sums = [[0.0, 0.0, 0] for _ in range(cfg["ttt_steps"])]
         with torch.no_grad():
             for i in range(0, len(held), 8):
-                _, stats = module(to_dev(common.pad_batch(held[i : i + 8])))
+                with autocast():
+                    _, stats = module(to_dev(common.pad_batch(held[i : i + 8])))
                 for s, (l, a, n) in zip(sums, stats):
                     s[0] += l * n
                     s[1] += a * n
@@ -129,13 +133,14 @@ def train_loop(cfg: dict) -> None:
         batch = to_dev(common.pad_batch([examples[i] for i in batch_ids]))
         for group in optim.param_groups:
             group["lr"] = common.lr_at(step, total_steps, cfg["lr"], cfg["warmup"])
-        loss, stats = model(batch)
+        with autocast():
+            loss, stats = model(batch)
         optim.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         step += 1
-        record = {"kind": "train", "step": step, "epoch": epoch, "loss": float(loss),
+        record = {"kind": "train", "step": step, "epoch": epoch, "loss": float(loss.detach()),
                   "loss_k": [s[0] for s in stats], "acc_k": [s[1] for s in stats],
                   "lr": optim.param_groups[0]["lr"], "time": round(timer.elapsed, 1)}
         if rank == 0:
