@@ -942,7 +942,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--kv-slots", type=int, default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with AMX/AVX512-BF16)")
     p.add_argument("--api-key", default=os.environ.get("SPECGRAPH_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGRAPH_API_KEY)")
     p.add_argument("--default-max-tokens", type=int, default=None,

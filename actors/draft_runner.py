@@ -125,7 +125,7 @@ class DraftRunner:
         set_threads(num_threads)
         self.algorithm = SpecAlgorithm.from_name(algorithm)
         self.device = pick_device(device)
-        self.dtype = parse_dtype(dtype)
+        self.dtype = parse_dtype(dtype, self.device)
         self.num_steps, self.topk, self.tree_size = num_steps, topk, tree_size
         target, draft = ModelSource.resolve(target_model), ModelSource.resolve(draft_model)
         self.model = build_draft(self.algorithm, draft, target, self.dtype, self.device)

@@ -31,7 +31,7 @@ class TargetRunner:
         set_threads(num_threads)
         self.algorithm = SpecAlgorithm.from_name(algorithm)
         self.device = pick_device(device)
-        self.dtype = parse_dtype(dtype)
+        self.dtype = parse_dtype(dtype, self.device)
         self.source = ModelSource.resolve(model)
         draft_config = ModelSource.resolve(draft_model).config if draft_model else None
         self.model = build_target(self.source, self.dtype, self.device)

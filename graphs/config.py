@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.device import check_dtype_name
 from models.registry import DEFAULT_MODEL
 from spec.algorithm import SpecAlgorithm
 
@@ -20,7 +21,7 @@ class EngineConfig:
     num_draft_tokens: int = 4  # tree nodes verified per step, root included (chains use num_steps + 1)
     dp_size: int = 1
     backend: str = "local"
-    dtype: str = "float32"
+    dtype: str = "float32"  # or "auto": bf16 where the hardware runs it natively (actors.device.auto_dtype)
     device: str = "auto"
     num_threads: int | None = None
     kv_slots: int = 16384  # token slots in the KV pool of each rank
@@ -44,6 +45,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_dtype_name(self.dtype)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.algorithm.needs_draft_model and not self.draft_model:
@@ -71,7 +73,18 @@ class EngineConfig:
 
     def runner_kwargs(self, num_threads: int | None) -> dict:
         """What every runner is built with besides its model: KV pool size, dtype, device, threads."""
-        return dict(num_slots=self.kv_slots, dtype=self.dtype, device=self.device, num_threads=num_threads)
+        return dict(num_slots=self.kv_slots, dtype=self.torch_dtype, device=self.device, num_threads=num_threads)
+
+    @property
+    def torch_dtype(self):
+        """The dtype every runner of the graph uses ("auto" resolved once, here, so that target
+        and draft actors agree): GPU actors when the Ray graph asks for GPUs, else this process."""
+        import torch
+
+        from actors.device import parse_dtype, pick_device
+
+        gpu = self.backend == "ray" and self.target_num_gpus > 0
+        return parse_dtype(self.dtype, torch.device("cuda") if gpu else pick_device(self.device))
 
     @property
     def tree_size(self) -> int:

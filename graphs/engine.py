@@ -8,7 +8,6 @@ from actors.draft_runner import DraftRunner, NgramDrafter, NoDrafter
 from actors.request import RequestOutput
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.target_runner import TargetRunner
-from actors.device import parse_dtype
 from graphs.config import EngineConfig
 from models.build import ModelSource, check_draft_kind, load_tokenizer
 from spec.algorithm import SpecAlgorithm
@@ -59,7 +58,7 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         scratch_size=config.scratch_size,
         topk_width=config.topk_width,
         hidden_spec=get_draft_recurrent_hidden_state_spec(
-            config.algorithm, target.config, None if draft is None else draft.config, parse_dtype(config.dtype)),
+            config.algorithm, target.config, None if draft is None else draft.config, config.torch_dtype),
         kv_slots=config.kv_slots,
         max_running_requests=config.max_running_requests,
         max_prefill_tokens=config.max_prefill_tokens,

@@ -4,6 +4,7 @@ incremental detokenization, and configuration errors caught before weights load.
 from __future__ import annotations
 
 import pytest
+import torch
 
 import actors.target_runner
 from actors.request import IncrementalDetokenizer, Request
@@ -125,12 +126,30 @@ def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_d
 
 
 @pytest.mark.parametrize("field,value", [("num_steps", 0), ("eagle_topk", -1), ("num_draft_tokens", 99),
-                                         ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0)])
+                                         ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0),
+                                         ("dtype", "float8")])
 def test_engine_config_validation_names_the_field(tiny_target, field, value):
     kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
               "num_draft_tokens": 6, field: value}
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_auto_dtype_is_resolved_once_for_every_runner(tiny_target):
+    """dtype="auto" picks bf16 only where the hardware runs it natively, and the engine's target,
+    draft and hidden-state contract all get that one resolved dtype."""
+    from actors.device import auto_dtype
+
+    config = EngineConfig(model=str(tiny_target), speculative_algorithm="NGRAM", dtype="auto", device="cpu")
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    assert config.torch_dtype == auto_dtype(torch.device("cpu")) == (torch.bfloat16 if native else torch.float32)
+    assert config.runner_kwargs(1)["dtype"] == config.torch_dtype
+    engine = build_graph(config)
+    try:
+        assert engine.scheduler.executor.target.dtype == config.torch_dtype
+        assert engine.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))[0].num_output_tokens == 4
+    finally:
+        engine.shutdown()
 
 
 def test_ngram_lookup_proposes_only_what_matched():

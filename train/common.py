@@ -81,20 +81,23 @@ def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.
 
 class TargetFeaturizer:
     """Our own target forward (same code as serving) over whole sequences, batched as ragged
-    requests: aux hidden states (inputs of `aux_layer_ids`) and the top-k logits per position."""
+    requests: aux hidden states (inputs of `aux_layer_ids`) and the top-k logits per position.
+    bf16 by default: what a bf16 server feeds the draft, and ~3x faster than fp32 with AMX."""
 
-    def __init__(self, target: str, aux_layer_ids: list[int] | None, topk: int = 32, device="cpu"):
+    def __init__(self, target: str, aux_layer_ids: list[int] | None, topk: int = 32, device="cpu",
+                 dtype: torch.dtype = torch.bfloat16):
         self.source = ModelSource.resolve(target)
-        self.model = build_target(self.source, torch.float32, device)
+        self.model = build_target(self.source, dtype, device)
         self.aux_ids = aux_layer_ids
         self.topk = topk
         self.device = device
+        self.dtype = dtype
 
     @torch.inference_mode()
     def __call__(self, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
         lens = [len(s) for s in seqs]
         total = sum(lens)
-        kv = self.model.make_kv_pool(total, torch.float32, self.device)
+        kv = self.model.make_kv_pool(total, self.dtype, self.device)
         slots = list(torch.arange(total).split(lens))
         positions = torch.cat([torch.arange(n) for n in lens])
         meta = AttentionMetadata.build([torch.zeros(0, dtype=torch.long)] * len(seqs), slots, positions,
@@ -103,7 +106,7 @@ class TargetFeaturizer:
         hidden, aux = self.model(ids, meta, kv, self.aux_ids)
         top_vals, top_ids = [], []
         for chunk in hidden.split(256):
-            values, index = self.model.logits(chunk).topk(self.topk, dim=-1)
+            values, index = self.model.logits(chunk).float().topk(self.topk, dim=-1)
             top_vals.append(values.half())
             top_ids.append(index.int())
         out = {"topk_logits": torch.cat(top_vals).cpu(), "topk_ids": torch.cat(top_ids).cpu()}
@@ -112,10 +115,10 @@ class TargetFeaturizer:
         return out
 
 
-def _fingerprint(seqs: list[Sequence], aux_layer_ids, topk) -> str:
+def _fingerprint(seqs: list[Sequence], aux_layer_ids, topk, dtype) -> str:
     import hashlib
 
-    h = hashlib.sha256(json.dumps([aux_layer_ids, topk]).encode())
+    h = hashlib.sha256(json.dumps([aux_layer_ids, topk, str(dtype)]).encode())
     for s in seqs:
         h.update(json.dumps([s.num_prompt, s.tokens]).encode())
     return h.hexdigest()[:16]
@@ -126,7 +129,7 @@ def cache_features(featurizer: TargetFeaturizer, seqs: list[Sequence], cache_dir
     """Compute features for every sequence once; shards are reused on rerun (resumable)."""
     from tqdm import tqdm
 
-    cache_dir = Path(cache_dir) / _fingerprint(seqs, featurizer.aux_ids, featurizer.topk)
+    cache_dir = Path(cache_dir) / _fingerprint(seqs, featurizer.aux_ids, featurizer.topk, featurizer.dtype)
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards = []
     starts = list(range(0, len(seqs), shard_size))
@@ -303,6 +306,8 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--holdout", type=float, default=0.03)
     p.add_argument("--topk", type=int, default=32, help="target logits kept per position (soft labels)")
+    p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="dtype of the target forward that computes features and labels")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0)
     p.add_argument("--token-budget", type=int, default=2048, help="padded tokens per batch per worker")

@@ -89,6 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--follow-up-frac", type=float, default=0.1, help="share of greedy answers given a 2nd turn")
     parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", help="engine dtype; labels are recomputed in fp32 when training")
     parser.add_argument("--kv-slots", type=int, default=16384, help="KV pool token slots (admission reserves max_tokens each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
@@ -121,7 +122,7 @@ def main(argv=None) -> None:
     spec = dict(speculative_algorithm="EAGLE3", draft_model=args.draft_model, num_steps=args.num_steps) \
         if args.draft_model else {}
     engine = build_graph(EngineConfig(model=args.target, max_running_requests=args.max_running_requests,
-                                      kv_slots=args.kv_slots, num_threads=args.threads, **spec))
+                                      kv_slots=args.kv_slots, dtype=args.dtype, num_threads=args.threads, **spec))
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rng = random.Random(args.seed)
 

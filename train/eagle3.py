@@ -231,7 +231,8 @@ def prepare(args) -> dict:
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
     torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
-    featurizer = common.TargetFeaturizer(args.target, aux_inputs, args.topk)
+    featurizer = common.TargetFeaturizer(args.target, aux_inputs, args.topk,
+                                         dtype=getattr(torch, args.feature_dtype))
     cache = data_dir / "features"
     shards = common.cache_features(featurizer, train_seqs, cache, desc="target features (train)")
     held = common.cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []

@@ -24,7 +24,7 @@ def load_prompts(path: str | Path, n: int) -> list[list[dict]]:
 
 def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_path, n: int = 40,
                        max_tokens: int = 128, num_steps: int = 3, topk: int = 1, num_draft_tokens: int = 4,
-                       max_running_requests: int = 32, threads: int | None = 1,
+                       max_running_requests: int = 32, threads: int | None = 1, dtype: str = "float32",
                        check_against: list[list[int]] | None = None) -> dict:
     import torch
 
@@ -37,7 +37,8 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
     conversations = load_prompts(prompts_path, n)
     engine = build_graph(EngineConfig(model=target, speculative_algorithm=algorithm, draft_model=draft,
                                       num_steps=num_steps, eagle_topk=topk, num_draft_tokens=num_draft_tokens,
-                                      max_running_requests=max_running_requests, num_threads=threads))
+                                      max_running_requests=max_running_requests, num_threads=threads,
+                                      dtype=dtype))
     start = time.time()
     try:
         outs = engine.chat(conversations, SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -49,7 +50,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
     accepts = [a for o in outs for a in o.accept_lens]
     result = {
         "algorithm": algorithm, "num_steps": num_steps, "topk": topk, "prompts": len(outs),
-        "max_tokens": max_tokens, "output_tokens": tokens, "verify_steps": steps,
+        "max_tokens": max_tokens, "dtype": dtype, "output_tokens": tokens, "verify_steps": steps,
         "acceptance_length": round(tokens / max(1, steps), 3),
         "decode_acceptance": round(1 + sum(accepts) / max(1, len(accepts)), 3),
         "seconds": round(seconds, 1),
@@ -71,9 +72,11 @@ def main(argv=None) -> None:
     p.add_argument("--topk", type=int, default=1)
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
     args = p.parse_args(argv)
     print(json.dumps(measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
-                                        args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads)))
+                                        args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads,
+                                        dtype=args.dtype)))
 
 
 if __name__ == "__main__":

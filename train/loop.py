@@ -195,7 +195,8 @@ def report(args, start: float, kind: str, algorithm: str, eval_steps: int) -> di
         from train.evaluate import measure_acceptance
 
         summary["acceptance"] = measure_acceptance(args.target, str(out), algorithm, args.eval_prompts, args.eval_n,
-                                                   args.eval_max_tokens, num_steps=eval_steps)
+                                                   args.eval_max_tokens, num_steps=eval_steps,
+                                                   dtype=args.feature_dtype)
     (common.work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
     from train.card import write_card
 

@@ -130,7 +130,8 @@ def prepare(args) -> dict:
             (state_dir / stale).unlink(missing_ok=True)
     torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
     # Same cache key as train.eagle3 (aux ids included), so one target pass serves both trainers.
-    featurizer = common.TargetFeaturizer(args.target, get_target_aux_layer_ids(target.config, None), args.topk)
+    featurizer = common.TargetFeaturizer(args.target, get_target_aux_layer_ids(target.config, None), args.topk,
+                                         dtype=getattr(torch, args.feature_dtype))
     cache = data_dir / "features"
     shards = common.cache_features(featurizer, train_seqs, cache, desc="target features (train)")
     held = common.cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []
