@@ -299,11 +299,10 @@ def _hf_factory(name: str, args, eos_ids: list[int], shared: dict[str, Any]) -> 
         if key not in shared:
             from transformers import AutoModelForCausalLM
 
+            from actors.device import parse_dtype
             from models.loader import resolve_model
 
-            dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-                args.dtype, torch.float32)
-            shared[key] = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=dtype).eval()
+            shared[key] = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=parse_dtype(args.dtype)).eval()
         return shared[key]
 
     def make():
