@@ -32,6 +32,7 @@ REGISTRY: dict[str, PackagedGGUF | RepoFolder] = {
     ),
     # Drafts trained in this repository (train/, see each folder's README.md).
     "smollm2-135m-instruct-eagle3": RepoFolder("drafts/smollm2-135m-instruct-eagle3"),
+    "smollm2-135m-instruct-standalone": RepoFolder("drafts/smollm2-135m-instruct-standalone"),
 }
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
