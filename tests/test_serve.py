@@ -79,8 +79,12 @@ def test_app_args_and_deployment_options(tiny_target):
     engine, settings = split_args({"model": str(tiny_target), "num_steps": "2", "max_replicas": "3",
                                    "max_running_requests": 8, "api_key": "k"})
     assert engine["num_steps"] == 2 and settings.max_replicas == 3 and settings.api_key == "k"
-    assert engine["speculative_algorithm"] == serve_app.DEFAULT_SPECULATION["speculative_algorithm"]
-    assert split_args({})[0]["model"] == serve_app.DEFAULT_MODEL
+    assert engine["speculative_algorithm"] == serve_app.FALLBACK_SPECULATION["speculative_algorithm"]
+    default = split_args({})[0]
+    assert default["model"] == serve_app.DEFAULT_MODEL
+    assert (default["speculative_algorithm"], default["draft_model"]) == ("EAGLE3", serve_app.DEFAULT_EAGLE3_DRAFT)
+    assert (default["eagle_topk"], default["num_draft_tokens"]) == (4, 8)
+    assert split_args({"eagle_topk": 2})[0]["eagle_topk"] == 2  # what the user gave wins
     assert split_args({"model": str(tiny_target), "speculative_algorithm": "NONE"})[0]["speculative_algorithm"] == "NONE"
     assert split_args({"model": str(tiny_target), "max_model_len": "null"})[0]["max_model_len"] is None
     with pytest.raises(ValueError, match="unknown argument"):
