@@ -146,7 +146,7 @@ def train_loop(cfg: dict) -> None:
         if rank == 0:
             common.append_log(log_path, record)
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc=",".join(f"{s[1]:.2f}" for s in stats))
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=",".join(f"{s[1]:.2f}" for s in stats))
         last = step == total_steps
         if cfg["use_ray"] and (step % cfg.get("report_every", 25) == 0 or last):
             ray.train.report({k: v for k, v in record.items() if k != "kind"})
