@@ -296,6 +296,55 @@ class Timer:
         return time.time() - self.start
 
 
+# ---- what both trainers' prepare() share -----------------------------------------------
+
+SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def load_split(args) -> tuple[list[Sequence], list[Sequence]]:
+    """The run's (training, held-out) sequences from --data, --max-len, --modes, --max-sequences, --holdout."""
+    seqs = load_sequences(Path(args.data).expanduser(), args.max_len,
+                          tuple(args.modes.split(",")) if args.modes else None)
+    if args.max_sequences:
+        seqs = seqs[: args.max_sequences]
+    return split_holdout(seqs, args.holdout, args.seed)
+
+
+def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Sequence],
+                     held_seqs: list[Sequence]) -> tuple[list[Path], list[Path]]:
+    """Target feature shards (train, held-out), cached under --data/features. Both trainers pass
+    the target's aux ids, so one target pass serves both."""
+    torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
+    featurizer = TargetFeaturizer(args.target, aux_layer_ids, args.topk, dtype=getattr(torch, args.feature_dtype))
+    cache = Path(args.data).expanduser() / "features"
+    shards = cache_features(featurizer, train_seqs, cache, desc="target features (train)")
+    held = cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []
+    return shards, held
+
+
+def write_data_info(state_dir: Path, train_seqs: list[Sequence], held_seqs: list[Sequence], **extra) -> None:
+    """data_info.json (read by the model card) and the same line on stdout."""
+    info = {"sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
+            "tokens": sum(len(s.tokens) for s in train_seqs),
+            "response_tokens": sum(len(s.tokens) - s.num_prompt for s in train_seqs), **extra}
+    (Path(state_dir) / "data_info.json").write_text(json.dumps(info, indent=2))
+    print(json.dumps(info))
+
+
+def worker_config(args, kind: str, state_dir: Path, shards: list[Path], held: list[Path], ttt_steps: int,
+                  decay: float) -> dict:
+    """The config `train.loop.train_loop` runs on every worker."""
+    return {
+        "kind": kind, "out": str(Path(args.out).resolve()), "state_dir": str(Path(state_dir).resolve()),
+        "target": args.target, "shards": [str(p) for p in shards], "held_shards": [str(p) for p in held],
+        "epochs": args.epochs, "max_steps": args.max_steps, "token_budget": args.token_budget, "lr": args.lr,
+        "warmup": args.warmup, "ttt_steps": ttt_steps, "decay": decay, "seed": args.seed, "threads": args.threads,
+        "resume": args.resume, "save_every": args.save_every, "eval_every": args.eval_every,
+        "use_gpu": args.use_gpu, "amp": args.amp, "save_dtype": SAVE_DTYPES[args.save_dtype],
+        "use_ray": not args.no_ray,
+    }
+
+
 def add_training_args(p, lr: float) -> None:
     """The command-line options every draft trainer shares (data, schedule, workers, resume, eval)."""
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -315,7 +364,7 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--save-dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--save-dtype", default="bf16", choices=list(SAVE_DTYPES))
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--amp", default="bf16", choices=["bf16", "off"],

@@ -203,17 +203,12 @@ def prepare(args) -> dict:
     from models.loader import TensorSource
     from spec.shapes import get_target_aux_layer_ids
 
-    out = Path(args.out)
     state_dir = common.work_dir(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
     aux_inputs = get_target_aux_layer_ids(target.config, None)
-    data_dir = Path(args.data).expanduser()
-    seqs = common.load_sequences(data_dir, args.max_len, tuple(args.modes.split(",")) if args.modes else None)
-    if args.max_sequences:
-        seqs = seqs[: args.max_sequences]
-    train_seqs, held_seqs = common.split_holdout(seqs, args.holdout, args.seed)
+    train_seqs, held_seqs = common.load_split(args)
     vocab = target_cfg["vocab_size"]
     ids, coverage = common.draft_vocab(train_seqs, vocab, args.draft_vocab_size)
     d2t, t2d = common.vocab_maps(ids, vocab)
@@ -230,29 +225,11 @@ def prepare(args) -> dict:
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
-    torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
-    featurizer = common.TargetFeaturizer(args.target, aux_inputs, args.topk,
-                                         dtype=getattr(torch, args.feature_dtype))
-    cache = data_dir / "features"
-    shards = common.cache_features(featurizer, train_seqs, cache, desc="target features (train)")
-    held = common.cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []
-    del featurizer
-    info = {"sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
-            "tokens": sum(len(s.tokens) for s in train_seqs),
-            "response_tokens": sum(len(s.tokens) - s.num_prompt for s in train_seqs),
-            "draft_vocab_size": len(ids), "draft_vocab_coverage": round(coverage, 4),
-            "aux_layer_ids(outputs)": [i - 1 for i in aux_inputs]}
-    (state_dir / "data_info.json").write_text(json.dumps(info, indent=2))
-    print(json.dumps(info))
-    return {
-        "out": str(out.resolve()), "state_dir": str(state_dir.resolve()), "target": args.target, "shards": [str(p) for p in shards],
-        "held_shards": [str(p) for p in held], "epochs": args.epochs, "max_steps": args.max_steps,
-        "token_budget": args.token_budget, "lr": args.lr, "warmup": args.warmup, "ttt_steps": args.ttt_steps,
-        "decay": args.decay, "seed": args.seed, "threads": args.threads, "resume": args.resume,
-        "save_every": args.save_every, "eval_every": args.eval_every, "use_gpu": args.use_gpu, "amp": args.amp,
-        "save_dtype": {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.save_dtype],
-        "use_ray": not args.no_ray, "kind": "eagle3",
-    }
+    shards, held = common.compute_features(args, aux_inputs, train_seqs, held_seqs)
+    common.write_data_info(state_dir, train_seqs, held_seqs, draft_vocab_size=len(ids),
+                           draft_vocab_coverage=round(coverage, 4),
+                           **{"aux_layer_ids(outputs)": [i - 1 for i in aux_inputs]})
+    return common.worker_config(args, "eagle3", state_dir, shards, held, args.ttt_steps, args.decay)
 
 
 def parser() -> argparse.ArgumentParser:

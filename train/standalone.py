@@ -111,15 +111,11 @@ def prepare(args) -> dict:
     from models.loader import TensorSource
     from spec.shapes import get_target_aux_layer_ids
 
-    out, state_dir = Path(args.out), common.work_dir(args)
+    state_dir = common.work_dir(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
-    data_dir = Path(args.data).expanduser()
-    seqs = common.load_sequences(data_dir, args.max_len, tuple(args.modes.split(",")) if args.modes else None)
-    if args.max_sequences:
-        seqs = seqs[: args.max_sequences]
-    train_seqs, held_seqs = common.split_holdout(seqs, args.holdout, args.seed)
+    train_seqs, held_seqs = common.load_split(args)
     if not (args.resume and (state_dir / "config.json").is_file()):
         config = student_config(target_cfg, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
         embed = TensorSource(target.folder).get("model.embed_tokens.weight").float()
@@ -128,30 +124,12 @@ def prepare(args) -> dict:
         (state_dir / "target.json").write_text(json.dumps({"folder": str(target.folder)}))
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
-    torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
-    # Same cache key as train.eagle3 (aux ids included), so one target pass serves both trainers.
-    featurizer = common.TargetFeaturizer(args.target, get_target_aux_layer_ids(target.config, None), args.topk,
-                                         dtype=getattr(torch, args.feature_dtype))
-    cache = data_dir / "features"
-    shards = common.cache_features(featurizer, train_seqs, cache, desc="target features (train)")
-    held = common.cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []
-    del featurizer
-    info = {"sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
-            "tokens": sum(len(s.tokens) for s in train_seqs),
-            "response_tokens": sum(len(s.tokens) - s.num_prompt for s in train_seqs),
-            "student": f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
-                       f"intermediate {args.intermediate}, tied embeddings"}
-    (state_dir / "data_info.json").write_text(json.dumps(info, indent=2))
-    print(json.dumps(info))
-    return {
-        "kind": "standalone", "out": str(out.resolve()), "state_dir": str(state_dir.resolve()), "target": args.target,
-        "shards": [str(p) for p in shards], "held_shards": [str(p) for p in held], "epochs": args.epochs,
-        "max_steps": args.max_steps, "token_budget": args.token_budget, "lr": args.lr, "warmup": args.warmup,
-        "ttt_steps": 1, "decay": 1.0, "seed": args.seed, "threads": args.threads, "resume": args.resume,
-        "save_every": args.save_every, "eval_every": args.eval_every, "use_gpu": args.use_gpu, "amp": args.amp,
-        "save_dtype": {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[args.save_dtype],
-        "use_ray": not args.no_ray,
-    }
+    # The student needs no aux states; the same aux ids as train.eagle3 keep one shared feature cache.
+    shards, held = common.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
+    common.write_data_info(state_dir, train_seqs, held_seqs,
+                           student=f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
+                                   f"intermediate {args.intermediate}, tied embeddings")
+    return common.worker_config(args, "standalone", state_dir, shards, held, ttt_steps=1, decay=1.0)
 
 
 def parser() -> argparse.ArgumentParser:
