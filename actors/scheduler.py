@@ -294,7 +294,6 @@ class Scheduler:
         self.draft_input = self.draft_input.filter(keep)
 
 
-
 class DataParallelScheduler:
     """One Scheduler per data-parallel rank, stepped in lockstep: every rank runs every
     step, a rank without work on idle inputs (what DP attention needs). Requests go to the

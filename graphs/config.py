@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.device import check_dtype_name
+import torch
+
+from actors.device import check_dtype_name, parse_dtype, pick_device
 from models.registry import DEFAULT_MODEL
 from spec.algorithm import SpecAlgorithm
 
@@ -76,13 +78,9 @@ class EngineConfig:
         return dict(num_slots=self.kv_slots, dtype=self.torch_dtype, device=self.device, num_threads=num_threads)
 
     @property
-    def torch_dtype(self):
+    def torch_dtype(self) -> torch.dtype:
         """The dtype every runner of the graph uses ("auto" resolved once, here, so that target
         and draft actors agree): GPU actors when the Ray graph asks for GPUs, else this process."""
-        import torch
-
-        from actors.device import parse_dtype, pick_device
-
         gpu = self.backend == "ray" and self.target_num_gpus > 0
         return parse_dtype(self.dtype, torch.device("cuda") if gpu else pick_device(self.device))
 

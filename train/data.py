@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--follow-up-frac", type=float, default=0.1, help="share of greedy answers given a 2nd turn")
     parser.add_argument("--max-running-requests", type=int, default=32)
-    parser.add_argument("--dtype", default="float32", help="engine dtype; labels are recomputed in fp32 when training")
+    parser.add_argument("--dtype", default="float32", help="engine dtype (labels are recomputed by the trainers, see --feature-dtype)")
     parser.add_argument("--kv-slots", type=int, default=16384, help="KV pool token slots (admission reserves max_tokens each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
