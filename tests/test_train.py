@@ -49,6 +49,19 @@ def test_prompt_generator_is_diverse_and_deterministic():
     assert {"chat", "explanation", "code", "math", "list", "story", "translation", "passage"} <= kinds
 
 
+def test_holdout_split_keeps_prompts_together_and_is_stable_as_data_grows():
+    def answers(prompt_ids):  # greedy and sampled answer per prompt, as train.data writes them
+        return [common.Sequence([1, 2, 3, i], 2, f"s0-{p}") for p in prompt_ids for i in (0, 1)]
+
+    train, held = common.split_holdout(answers(range(400)), 0.05)
+    assert 0 < len(held) < 60 and not {s.group for s in train} & {s.group for s in held}
+    assert all(sum(s.group == h.group for s in held) == 2 for h in held)
+    grown_train, grown_held = common.split_holdout(answers(range(1200)), 0.05)
+    assert {s.group for s in held} <= {s.group for s in grown_held}
+    assert {s.group for s in train} <= {s.group for s in grown_train}
+    assert common.split_holdout(answers(range(3)), 0.01)[1]  # tiny sets still hold one prompt out
+
+
 # ---- tiny target and data -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import math
 import os
 import random
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ DEFAULT_DATA = Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" 
 class Sequence:
     tokens: list[int]  # prompt + response
     num_prompt: int  # loss on positions >= num_prompt (the target's own tokens)
+    group: str = ""  # prompt id: every answer to one prompt lands on the same side of the split
 
 
 def load_sequences(data_dir: Path, max_len: int = 512, modes: tuple[str, ...] | None = None) -> list[Sequence]:
@@ -42,16 +44,23 @@ def load_sequences(data_dir: Path, max_len: int = 512, modes: tuple[str, ...] | 
         tokens = (r["prompt_ids"] + r["output_ids"])[:max_len]
         if len(tokens) - len(r["prompt_ids"]) < 2:
             continue
-        out.append(Sequence(tokens, len(r["prompt_ids"])))
+        out.append(Sequence(tokens, len(r["prompt_ids"]), str(r["id"])))
     return out
 
 
+def _unit_hash(text: str) -> float:
+    return zlib.crc32(text.encode()) / 2**32
+
+
 def split_holdout(seqs: list[Sequence], frac: float, seed: int = 0) -> tuple[list[Sequence], list[Sequence]]:
-    idx = list(range(len(seqs)))
-    random.Random(seed).shuffle(idx)
-    n = max(1, int(len(seqs) * frac)) if frac > 0 and len(seqs) > 1 else 0
-    held = set(idx[:n])
-    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
+    """(train, held-out) by a hash of each sequence's prompt id, not by position: a prompt's greedy,
+    sampled and follow-up answers stay together, and a sequence keeps its side when the data grows
+    (more `train.data` output never moves a trained-on sequence into the held-out set)."""
+    groups = sorted({s.group for s in seqs}, key=lambda g: _unit_hash(f"{seed}/{g}"))
+    held = {g for g in groups if _unit_hash(f"{seed}/{g}") < frac}
+    if frac > 0 and not held and len(groups) > 1:
+        held = {groups[0]}  # tiny data sets still get a held-out group
+    return [s for s in seqs if s.group not in held], [s for s in seqs if s.group in held]
 
 
 def draft_vocab(seqs: list[Sequence], vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
