@@ -261,6 +261,13 @@ def append_log(path: Path, record: dict) -> None:
         handle.write(json.dumps(record) + "\n")
 
 
+def truncate_log(path: Path, step: int) -> None:
+    """Drop records past `step`: a resumed run restarts from its last checkpoint, so the steps an
+    interrupted run logged after it are trained (and logged) again."""
+    records = [r for r in read_log(path) if r.get("step", 0) <= step]
+    Path(path).write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
 def read_log(path: Path) -> list[dict]:
     if not Path(path).is_file():
         return []

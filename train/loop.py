@@ -70,6 +70,8 @@ def train_loop(cfg: dict) -> None:
         inner.load_state_dict(state["model"], strict=False)
         optim.load_state_dict(state["optim"])
         step, elapsed = state["step"], state["elapsed"]
+        if rank == 0:
+            common.truncate_log(state_dir / "log.jsonl", step)
     if cfg["use_ray"]:
         model = ray.train.torch.prepare_model(model, move_to_device=False)
     device = torch.device("cpu")
