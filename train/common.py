@@ -56,10 +56,10 @@ def split_holdout(seqs: list[Sequence], frac: float, seed: int = 0) -> tuple[lis
     """(train, held-out) by a hash of each sequence's prompt id, not by position: a prompt's greedy,
     sampled and follow-up answers stay together, and a sequence keeps its side when the data grows
     (more `train.data` output never moves a trained-on sequence into the held-out set)."""
-    groups = sorted({s.group for s in seqs}, key=lambda g: _unit_hash(f"{seed}/{g}"))
-    held = {g for g in groups if _unit_hash(f"{seed}/{g}") < frac}
-    if frac > 0 and not held and len(groups) > 1:
-        held = {groups[0]}  # tiny data sets still get a held-out group
+    hashes = {s.group: _unit_hash(f"{seed}/{s.group}") for s in seqs}
+    held = {g for g, h in hashes.items() if h < frac}
+    if frac > 0 and not held and len(hashes) > 1:
+        held = {min(hashes, key=hashes.get)}  # tiny data sets still get a held-out group
     return [s for s in seqs if s.group not in held], [s for s in seqs if s.group in held]
 
 
