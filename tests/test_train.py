@@ -1,11 +1,13 @@
 """Draft training (train/): prompts disjoint from Spec-Bench, TTT semantics equal to inference,
 and both trainers end to end on a tiny target (loss goes down, the checkpoint loads through
-build_draft and serves losslessly)."""
+build_draft and serves losslessly, resume and --init-from warm starts)."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,6 +228,28 @@ def test_eagle3_trainer_end_to_end(tiny):
     eagle3.main(base + ["--max-steps", "44", "--no-ray", "--resume"])
     steps = [r["step"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 45))
+    _check_warm_start(eagle3.main, base, out, work, tiny["root"] / "eagle3_warm")
+    wrong = tiny["root"] / "eagle3_wrong_target"
+    shutil.copytree(out, wrong)
+    (wrong / "config.json").write_text(json.dumps(dict(config, target_hidden_size=32)))
+    with pytest.raises(ValueError, match="target_hidden_size is 32, this target needs 64"):
+        eagle3.main(base + ["--out", str(wrong / "out"), "--work-dir", str(wrong / "work"), "--init-from", str(wrong)])
+
+
+def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Path) -> None:
+    """--init-from with lr 0: the run starts from the source draft (its first losses are the
+    trained level, not a fresh head's), saves the same tensors back, and records the source."""
+    from safetensors.torch import load_file
+
+    out, work = root / "out", root / "work"
+    main(base + ["--out", str(out), "--work-dir", str(work), "--init-from", str(src), "--lr", "0", "--max-steps", "2",
+                 "--no-ray", "--save-every", "1"])
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    fresh = [r["loss"] for r in common.read_log(src_work / "log.jsonl") if r["kind"] == "train"][:5]
+    warm = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    assert len(warm) == 2 and sum(warm) / 2 < 0.95 * sum(fresh) / 5
+    assert json.loads((work / "data_info.json").read_text())["init_from"] == str(src.resolve())
 
 
 def test_standalone_trainer_end_to_end(tiny):
@@ -234,11 +258,11 @@ def test_standalone_trainer_end_to_end(tiny):
     from train import standalone
 
     out, work = tiny["root"] / "standalone", tiny["root"] / "standalone_work"
-    standalone.main(["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(out),
-                     "--work-dir", str(work), "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1",
-                     "--intermediate", "64", "--epochs", "30", "--max-steps", "30", "--token-budget", "256",
-                     "--lr", "1e-2", "--warmup", "5", "--holdout", "0", "--topk", "8", "--no-ray",
-                     "--save-every", "15"])
+    base = ["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(out), "--work-dir", str(work),
+            "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+            "--epochs", "30", "--token-budget", "256", "--lr", "1e-2", "--warmup", "5", "--holdout", "0", "--topk", "8",
+            "--no-ray", "--save-every", "15"]
+    standalone.main(base + ["--max-steps", "30"])
     train = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert len(train) == 30 and sum(train[-5:]) / 5 < 0.8 * sum(train[:5]) / 5
     assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
@@ -249,3 +273,4 @@ def test_standalone_trainer_end_to_end(tiny):
     reference = _greedy(tiny["target"], prompts=prompts)
     spec = _greedy(tiny["target"], out, "STANDALONE", prompts=prompts, num_steps=3)
     assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+    _check_warm_start(standalone.main, base, out, work, tiny["root"] / "standalone_warm")

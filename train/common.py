@@ -63,19 +63,29 @@ def split_holdout(seqs: list[Sequence], frac: float, seed: int = 0) -> tuple[lis
     return [s for s in seqs if s.group not in held], [s for s in seqs if s.group in held]
 
 
-def draft_vocab(seqs: list[Sequence], vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The draft_vocab_size target ids most frequent as predicted (response) tokens, topped up
-    with prompt tokens and then the lowest ids (BPE merge order); sorted. Returns (ids, coverage)."""
+def _token_counts(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response counts, prompt counts) per target id, each (V,)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     prompt_counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in seqs:
         counts += torch.bincount(torch.tensor(s.tokens[s.num_prompt:]), minlength=vocab_size)
         prompt_counts += torch.bincount(torch.tensor(s.tokens[: s.num_prompt]), minlength=vocab_size)
+    return counts, prompt_counts
+
+
+def vocab_coverage(seqs: list[Sequence], ids: torch.Tensor, vocab_size: int) -> float:
+    """Share of response tokens whose id is in `ids` (what a draft vocabulary can predict)."""
+    counts = _token_counts(seqs, vocab_size)[0]
+    return float(counts[ids].sum()) / max(1, int(counts.sum()))
+
+
+def draft_vocab(seqs: list[Sequence], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The draft_vocab_size target ids most frequent as predicted (response) tokens, topped up
+    with prompt tokens and then the lowest ids (BPE merge order); sorted."""
+    counts, prompt_counts = _token_counts(seqs, vocab_size)
     # Lexicographic score: response count, then prompt count, then small id first.
     score = counts.double() * 1e9 + prompt_counts.double().clamp_max(1e8) + (1 - torch.arange(vocab_size) / vocab_size)
-    ids = score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
-    coverage = float(counts[ids].sum()) / max(1, int(counts.sum()))
-    return ids, coverage
+    return score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
 
 
 def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,11 +348,14 @@ def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Seq
     return shards, held
 
 
-def write_data_info(state_dir: Path, train_seqs: list[Sequence], held_seqs: list[Sequence], **extra) -> None:
+def write_data_info(state_dir: Path, train_seqs: list[Sequence], held_seqs: list[Sequence], init_from: str = "",
+                    **extra) -> None:
     """data_info.json (read by the model card) and the same line on stdout."""
     info = {"sequences": len(train_seqs), "held_out_sequences": len(held_seqs),
             "tokens": sum(len(s.tokens) for s in train_seqs),
             "response_tokens": sum(len(s.tokens) - s.num_prompt for s in train_seqs), **extra}
+    if init_from:
+        info["init_from"] = str(Path(init_from).expanduser().resolve())
     (Path(state_dir) / "data_info.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
 
@@ -388,11 +401,44 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--use-gpu", action="store_true")
     p.add_argument("--no-ray", action="store_true", help="run the loop in this process (debugging)")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init-from", default="", metavar="DIR",
+                   help="start from a trained draft folder's weights (fine-tune on new data); its architecture and "
+                        "vocabulary are kept, so --hidden / --draft-vocab-size and the like are ignored")
     p.add_argument("--work-dir", default="", help="optimizer state, logs, Ray files (default: cache/train/runs/<out name>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", default="", help="jsonl of held-out prompts: measure acceptance after training")
     p.add_argument("--eval-n", type=int, default=40)
     p.add_argument("--eval-max-tokens", type=int, default=128)
+
+
+def warm_start(folder: str, expect: dict) -> tuple[dict, dict[str, torch.Tensor]]:
+    """--init-from: (config, float weights) of a draft folder this trainer wrote, checked against
+    `expect` (config field, dotted for nested ones -> the value this target needs) so a head for
+    another target fails here, naming the field, instead of training on mismatched shapes."""
+    folder = Path(folder).expanduser()
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise ValueError(f"--init-from: {folder / name} not found (expected a draft folder written by this trainer)")
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("torch_dtype", None)
+    for field, want in expect.items():
+        have = config
+        for part in field.split("."):
+            have = have.get(part) if isinstance(have, dict) else None
+        if have != want:
+            raise ValueError(f"--init-from {folder}: config field {field} is {have!r}, this target needs {want!r}")
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return config, weights
+
+
+def load_warm_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], may_lack: set[str]) -> None:
+    """Copies a warm start's weights into a freshly built model; every other tensor it has must be
+    in `may_lack` (what the trainer does not save, e.g. embeddings shared from the target)."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = set(missing) - may_lack
+    if missing or unexpected:
+        raise ValueError(f"--init-from: weights do not fit the model (missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)})")
 
 
 def work_dir(args) -> Path:

@@ -210,25 +210,35 @@ def prepare(args) -> dict:
     aux_inputs = get_target_aux_layer_ids(target.config, None)
     train_seqs, held_seqs = common.load_split(args)
     vocab = target_cfg["vocab_size"]
-    ids, coverage = common.draft_vocab(train_seqs, vocab, args.draft_vocab_size)
-    d2t, t2d = common.vocab_maps(ids, vocab)
-    config = draft_config(target_cfg, len(ids), [i - 1 for i in aux_inputs], args.hidden, args.heads, args.kv_heads,
-                          args.intermediate)
+    aux_outputs = [i - 1 for i in aux_inputs]
     if args.resume and (state_dir / "config.json").is_file():
         config = json.loads((state_dir / "config.json").read_text())  # keep the vocab the run started with
+        ids = torch.arange(config["draft_vocab_size"]) + torch.load(state_dir / "init.pt", weights_only=True)["d2t"]
     else:
         source = TensorSource(target.folder)
-        init = {"embed": source.get("model.embed_tokens.weight").float(), "d2t": d2t, "t2d": t2d}
+        init = {"embed": source.get("model.embed_tokens.weight").float()}
         if "model.norm.weight" in source.keys():
             init["norm"] = source.get("model.norm.weight").float()
+        if args.init_from:
+            # Fine-tuning keeps the head's own vocabulary: its lm_head rows are those ids.
+            config, init["weights"] = common.warm_start(args.init_from, {
+                "vocab_size": vocab, "target_hidden_size": target_cfg["hidden_size"],
+                "eagle_config.eagle_aux_hidden_state_layer_ids": aux_outputs})
+            init["d2t"], init["t2d"] = init["weights"]["d2t"], init["weights"]["t2d"]
+            ids = torch.arange(config["draft_vocab_size"]) + init["d2t"]
+        else:
+            ids = common.draft_vocab(train_seqs, vocab, args.draft_vocab_size)
+            init["d2t"], init["t2d"] = common.vocab_maps(ids, vocab)
+            config = draft_config(target_cfg, len(ids), aux_outputs, args.hidden, args.heads, args.kv_heads,
+                                  args.intermediate)
         torch.save(init, state_dir / "init.pt")
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
     shards, held = common.compute_features(args, aux_inputs, train_seqs, held_seqs)
-    common.write_data_info(state_dir, train_seqs, held_seqs, draft_vocab_size=len(ids),
-                           draft_vocab_coverage=round(coverage, 4),
-                           **{"aux_layer_ids(outputs)": [i - 1 for i in aux_inputs]})
+    common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from, draft_vocab_size=len(ids),
+                           draft_vocab_coverage=round(common.vocab_coverage(train_seqs, ids, vocab), 4),
+                           **{"aux_layer_ids(outputs)": aux_outputs})
     return common.worker_config(args, "eagle3", state_dir, shards, held, args.ttt_steps, args.decay)
 
 

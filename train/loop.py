@@ -23,6 +23,9 @@ def build(cfg: dict, state_dir: Path):
         draft_cfg = json.loads((state_dir / "config.json").read_text())
         init = torch.load(state_dir / "init.pt", weights_only=True)
         draft = new_draft(draft_cfg, init["embed"], init.get("norm"), init["d2t"], init["t2d"], cfg["seed"])
+        if "weights" in init:
+            shared = {"embed_tokens.weight"} if not draft.embed_tokens.weight.requires_grad else set()
+            common.load_warm_weights(draft, init["weights"], shared)
         return TTTModel(draft, cfg["ttt_steps"], cfg["decay"]), draft, \
             lambda out, dtype: save_draft(draft, draft_cfg, out, dtype)
     from train.standalone import DistillModel, new_student, save_student

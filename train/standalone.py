@@ -65,6 +65,8 @@ def new_student(state_dir: Path):
     init = torch.load(Path(state_dir) / "init.pt", weights_only=True)
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(init["embed"])
+    if "weights" in init:
+        common.load_warm_weights(model, init["weights"], {"lm_head.weight"})  # tied to the embeddings
     model.tie_weights()
     return model
 
@@ -117,18 +119,25 @@ def prepare(args) -> dict:
     target_cfg = json.loads((target.folder / "config.json").read_text())
     train_seqs, held_seqs = common.load_split(args)
     if not (args.resume and (state_dir / "config.json").is_file()):
-        config = student_config(target_cfg, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
-        embed = TensorSource(target.folder).get("model.embed_tokens.weight").float()
-        torch.save({"embed": projected_embeddings(embed, args.hidden)}, state_dir / "init.pt")
+        if args.init_from:
+            config, weights = common.warm_start(args.init_from, {"vocab_size": target_cfg["vocab_size"]})
+            init = {"embed": weights["model.embed_tokens.weight"], "weights": weights}
+        else:
+            config = student_config(target_cfg, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
+            embed = TensorSource(target.folder).get("model.embed_tokens.weight").float()
+            init = {"embed": projected_embeddings(embed, args.hidden)}
+        torch.save(init, state_dir / "init.pt")
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         (state_dir / "target.json").write_text(json.dumps({"folder": str(target.folder)}))
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
     # The student needs no aux states; the same aux ids as train.eagle3 keep one shared feature cache.
     shards, held = common.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
-    common.write_data_info(state_dir, train_seqs, held_seqs,
-                           student=f"hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
-                                   f"intermediate {args.intermediate}, tied embeddings")
+    c = json.loads((state_dir / "config.json").read_text())
+    common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from,
+                           student=f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+                                   f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
+                                   f"intermediate {c['intermediate_size']}, tied embeddings")
     return common.worker_config(args, "standalone", state_dir, shards, held, ttt_steps=1, decay=1.0)
 
 
