@@ -48,7 +48,23 @@ def test_prompt_generator_is_diverse_and_deterministic():
     a, b = generate_prompts(500, 1), generate_prompts(500, 1)
     assert a == b and len({user_text(p["messages"]) for p in a}) == 500
     kinds = {p["kind"] for p in a}
-    assert {"chat", "explanation", "code", "math", "list", "story", "translation", "passage"} <= kinds
+    assert {"chat", "explanation", "code", "math", "list", "story", "translation", "passage", "roleplay", "reasoning",
+            "qa", "essay", "structured", "code_read", "multi_step"} <= kinds
+    # A larger run only adds prompts: what a smaller one answered keeps its id and text.
+    assert all(p in generate_prompts(1200, 1) for p in a)
+
+
+def test_passage_tasks_build_long_and_several_document_prompts():
+    passages = [f"Passage number {i} talks about a different subject at some length." for i in range(7)]
+    tasks = passage_tasks(passages, 0)
+    single, documents = tasks[:7], tasks[7:]
+    assert [passages[i] in user_text(t["messages"]) for i, t in enumerate(single)] == [True] * 7
+    assert len(documents) == 2  # every three consecutive passages; the seventh is left over
+    for j, task in enumerate(documents):
+        text = user_text(task["messages"])
+        assert all(p in text for p in passages[3 * j : 3 * j + 3])
+        assert task["kind"] in {"summarize_long", "extract_long", "rag"}
+    assert passage_tasks(passages, 0) == tasks and len({t["id"] for t in tasks}) == len(tasks)
 
 
 def test_holdout_split_keeps_prompts_together_and_is_stable_as_data_grows():

@@ -144,6 +144,9 @@ def main(argv=None) -> None:
         if rng.random() < args.sample_frac and f"{p['id']}:s" not in done:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
             jobs.append((f"{p['id']}:s", p, params))
+    # Shuffled (outputs do not depend on order) so a run stopped early has covered every kind of
+    # prompt, document tasks included, in proportion.
+    random.Random(args.seed + 1).shuffle(jobs)
     first = run_engine(engine, jobs, responses_path, "answers")
 
     # Stage 3: second turns on a share of the greedy answers.

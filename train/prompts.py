@@ -1,9 +1,13 @@
 """Self-written training prompts: topics x task types, from templates and a seeded RNG.
 
-Kinds: chat, explanation, code, math (word problems with fresh numbers), list, story,
-translation, letter, compare, advice, plus `passage` prompts whose answers (text the target
-writes itself) become the material of summarize / rewrite / extract / question prompts built
-by `passage_tasks`. Nothing here is taken from any benchmark; `train.decontam` checks that.
+Two streams, interleaved three to one, each prefix-stable in n so a larger run only adds
+prompts: the first (ids `s<seed>-k`) has chat, explanation, code, math (word problems with
+fresh numbers), list, story, translation, letter, compare, advice and `passage` prompts; the
+second (ids `r<seed>-k`) widens the styles: roleplay, reasoning puzzles, short factual
+questions, essays, structured output, reading and fixing code, multi-step arithmetic. Answers to
+`passage` prompts (text the target writes itself) become the material of summarize / rewrite /
+extract / question prompts, and joined three at a time, of long-document and several-document
+prompts (`passage_tasks`). Nothing here is taken from any benchmark; `train.decontam` checks that.
 
     generate_prompts(n, seed) -> [{"id", "kind", "messages": [{"role": "user", "content"}]}]
 """
@@ -219,21 +223,157 @@ def _fill(rng: random.Random, kind: str) -> str:
     raise ValueError(kind)
 
 
-def generate_prompts(n: int, seed: int = 0) -> list[dict]:
-    """n distinct single-turn prompts, mixed over KINDS by weight; deterministic in seed."""
+PERSONAS = ["a pirate captain", "a medieval knight", "a friendly librarian", "a sports coach", "a tour guide in Rome",
+            "a chef at a busy restaurant", "a detective in the 1920s", "an astronaut on the space station",
+            "a wise old teacher", "a travel agent", "a museum guide", "a park ranger", "a shop owner", "a doctor",
+            "a robot learning about humans", "a news reporter", "a famous painter", "a customer support agent"]
+ROLEPLAY = [
+    "Pretend you are {persona}. Describe a typical day in your life.",
+    "You are {persona}. A visitor asks you about {topic}. What do you say?",
+    "Act as {persona} and give me advice about {topic}.", "Stay in character as {persona} and greet a new customer.",
+    "Imagine you are {persona}. Tell me about the hardest moment of your career.",
+    "Play the role of {persona} explaining {topic} to {audience}.",
+]
+
+def _reasoning(rng: random.Random) -> str:
+    a, b, c = rng.sample(NAMES, 3)
+    trait = rng.choice([("taller", "shortest"), ("older", "youngest"), ("faster", "slowest"), ("richer", "poorest")])
+    day = rng.choice(["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"])
+    k = rng.randint(2, 20)
+    thing, group, prop = rng.choice([("roses", "flowers", "need water"), ("sparrows", "birds", "have feathers"),
+                                     ("oaks", "trees", "have roots"), ("cars", "vehicles", "need fuel or power"),
+                                     ("squares", "rectangles", "have four right angles")])
+    forms = [
+        f"{a} is {trait[0]} than {b}, and {b} is {trait[0]} than {c}. Who is the {trait[1]}? Explain your reasoning.",
+        f"If today is {day}, what day of the week will it be in {k} days? Think it through.",
+        f"All {thing} are {group}, and all {group} {prop}. Do all {thing} {prop}? Explain the logic.",
+        f"{a}, {b} and {c} each have a different pet: a cat, a dog and a fish. {a} is allergic to fur, and {b} "
+        f"walks their pet every morning. Who has which pet?",
+        f"A box has {k} red balls and {k + 3} blue balls. What is the smallest number of balls you must take out, "
+        f"without looking, to be sure you have two of the same color?",
+        f"I have {k} coins and lose half of them, then find {rng.randint(1, 9)} more. Can I end up with a fraction "
+        f"of a coin? Reason step by step.",
+        f"{a} says: '{b} is lying.' {b} says: '{c} is lying.' {c} says: 'Both {a} and {b} are lying.' Who tells the truth?",
+        f"A clock shows {rng.randint(1, 11)}:{rng.choice(['00', '15', '30', '45'])}. What is the angle between the hour "
+        f"and minute hands?",
+    ]
+    return rng.choice(forms)
+
+
+QA = [
+    "In one or two sentences: where does {topic} come from?", "Quick question: who first studied {topic}?",
+    "Answer briefly: what is the main purpose of {topic}?", "Short answer please: how old is the idea of {topic}?",
+    "What is one surprising number or statistic related to {topic}?", "Is {topic} found everywhere in the world?",
+    "Name one famous person connected to {topic} and say why.", "What is the English word for {topic} in science?",
+]
+
+ESSAY = [
+    "Discuss the role of {topic} in modern society.", "Write a persuasive paragraph arguing that {topic} deserves more attention.",
+    "What ethical questions does {topic} raise?", "Describe how {topic} has changed over the last hundred years.",
+    "Write a short essay on the cultural importance of {topic}.", "What would the world look like without {topic}?",
+    "Argue for and against spending public money on {topic}.", "How might {topic} change in the next twenty years?",
+    "Write a reflective paragraph on what {topic} teaches us about people.",
+]
+
+STRUCTURED = [
+    "Make a table with three columns comparing {a} and {b}.", "Describe {topic} as a JSON object with a few fields.",
+    "Write a recipe-style step-by-step guide for getting started with {topic}.",
+    "Create a weekly schedule in a table for someone who wants to learn about {topic}.",
+    "Write an outline with headings and bullet points for a talk on {topic}.",
+    "Give a FAQ with three questions and answers about {topic}.",
+    "Write a short glossary of five terms related to {topic}.",
+]
+
+SNIPPETS = [
+    ("def average(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)",
+     "Python"),
+    ("def is_even(n):\n    return n % 2 == 1", "Python"),
+    ("function sum(arr) {\n  let s = 0;\n  for (let i = 0; i <= arr.length; i++) s += arr[i];\n  return s;\n}",
+     "JavaScript"),
+    ("def last(items):\n    return items[len(items)]", "Python"),
+    ("int max(int a, int b) {\n    if (a > b) return b;\n    return a;\n}", "C"),
+    ("def count_words(text):\n    return len(text.split(' '))", "Python"),
+    ("def reverse(s):\n    out = ''\n    for ch in s:\n        out = out + ch\n    return out", "Python"),
+    ("for i in range(10):\n    if i % 3 == 0:\n        print(i)", "Python"),
+]
+CODE_READ = [
+    "What does this {lang} code do?\n\n```\n{code}\n```",
+    "Find the bug in this {lang} code and fix it:\n\n```\n{code}\n```",
+    "Explain this {lang} code line by line:\n```\n{code}\n```",
+    "How could this {lang} code be improved?\n```\n{code}\n```",
+]
+
+
+def _multi_step(rng: random.Random) -> str:
+    name = rng.choice(NAMES)
+    item, lo, hi = rng.choice(ITEMS)
+    a, b, c, d = rng.randint(2, 12), rng.randint(2, 9), rng.randint(10, 60), rng.randint(2, 5)
+    forms = [
+        f"{name} buys {a} {item} at ${rng.randint(lo, hi)} each and {b} more at ${rng.randint(lo, hi) + 1} each, "
+        f"then gets a {c % 30 + 5}% discount on the total. How much does {name} pay?",
+        f"A farm has {a * 10} chickens. Each lays {b} eggs a week. Eggs are sold in cartons of 12 for ${d}. "
+        f"How much money does the farm make in a week?",
+        f"{name} runs {b} km on weekdays and {a} km on each weekend day. How many km is that in {d} weeks?",
+        f"A tank holds {c * 10} liters. It is filled at {a + 5} liters per minute and leaks {b} liters per minute. "
+        f"How long until it is full?",
+        f"A shop sells {c} {item} on Monday, {d} times as many on Tuesday, and {a} fewer than Tuesday on Wednesday. "
+        f"How many in total?",
+    ]
+    return rng.choice(forms)
+
+
+KINDS_2 = [("roleplay", 3), ("reasoning", 3), ("qa", 3), ("essay", 3), ("structured", 2), ("code_read", 2),
+           ("multi_step", 2)]
+
+
+def _fill_2(rng: random.Random, kind: str) -> str:
+    topic = rng.choice(TOPICS)
+    if kind == "roleplay":
+        return rng.choice(ROLEPLAY).format(persona=rng.choice(PERSONAS), topic=topic, audience=rng.choice(AUDIENCES))
+    if kind == "reasoning":
+        return _reasoning(rng)
+    if kind == "qa":
+        return rng.choice(QA).format(topic=topic)
+    if kind == "essay":
+        return rng.choice(ESSAY).format(topic=topic)
+    if kind == "structured":
+        a, b = rng.choice(PAIRS)
+        return rng.choice(STRUCTURED).format(topic=topic, a=a, b=b)
+    if kind == "code_read":
+        code, lang = rng.choice(SNIPPETS)
+        return rng.choice(CODE_READ).format(code=code, lang=lang)
+    if kind == "multi_step":
+        return _multi_step(rng)
+    raise ValueError(kind)
+
+
+def _stream(seed: int, kinds: list[tuple[str, int]], fill, prefix: str):
+    """Distinct prompts of one stream, forever; deterministic in seed."""
     rng = random.Random(seed)
-    kinds, weights = zip(*KINDS)
+    names, weights = zip(*kinds)
     seen: set[str] = set()
-    out: list[dict] = []
-    attempts = 0
-    while len(out) < n and attempts < 50 * n:
-        attempts += 1
-        kind = rng.choices(kinds, weights)[0]
-        text = _fill(rng, kind)
+    misses = 0
+    while misses < 5000:  # a stream whose templates are used up stops
+        kind = rng.choices(names, weights)[0]
+        text = fill(rng, kind)
         if text in seen:
+            misses += 1
             continue
+        misses = 0
         seen.add(text)
-        out.append({"id": f"s{seed}-{len(out)}", "kind": kind, "messages": [{"role": "user", "content": text}]})
+        yield {"id": f"{prefix}{seed}-{len(seen) - 1}", "kind": kind, "messages": [{"role": "user", "content": text}]}
+
+
+def generate_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct single-turn prompts: every fourth from the second stream (KINDS_2), the rest
+    from the first (KINDS); each stream is mixed over its kinds by weight."""
+    first, second = _stream(seed, KINDS, _fill, "s"), _stream(seed + 1_000_003, KINDS_2, _fill_2, "r")
+    out: list[dict] = []
+    for i in range(n):
+        prompt = next(second if i % 4 == 3 else first, None) or next(first, None) or next(second, None)
+        if prompt is None:
+            break
+        out.append(prompt)
     return out
 
 
@@ -255,14 +395,33 @@ FOLLOW_UPS = ["Can you make it shorter?", "Now explain it in simpler words.", "G
               "Rewrite your answer in a more cheerful tone."]
 
 
+DOCUMENT_TASKS = [
+    ("summarize_long", "Summarize the following article in one paragraph.\n\n{doc}"),
+    ("summarize_long", "{doc}\n\nWhat are the three most important points of the text above?"),
+    ("extract_long", "Read the document and return a JSON list of the topics it covers, each with one key fact.\n\n{doc}"),
+    ("rag", "Use only the documents below to answer.\n\n{numbered}\n\nQuestion: what is the main point of Document {k}?"),
+    ("rag", "{numbered}\n\nWhat do the documents above have in common, and how does Document {k} differ from the others?"),
+]
+
+
 def passage_tasks(passages: list[str], seed: int = 0) -> list[dict]:
-    """Prompts that work on text the target wrote itself (summarize / rewrite / extract / ...)."""
+    """Prompts that work on text the target wrote itself: one per passage (summarize / rewrite /
+    extract / ...), then one per three consecutive passages joined into a long document or a set
+    of numbered documents (long-context summarizing, extraction and document QA)."""
     rng = random.Random(seed + 7919)
     out = []
     for i, text in enumerate(passages):
         kind, template = rng.choice(PASSAGE_TASKS)
         out.append({"id": f"p{seed}-{i}", "kind": kind,
                     "messages": [{"role": "user", "content": template.format(text=text.strip())}]})
+    rng = random.Random(seed + 104729)
+    for j in range(len(passages) // 3):
+        group = [t.strip() for t in passages[3 * j : 3 * j + 3]]
+        kind, template = rng.choice(DOCUMENT_TASKS)
+        numbered = "\n\n".join(f"Document {k + 1}:\n{t}" for k, t in enumerate(group))
+        out.append({"id": f"m{seed}-{j}", "kind": kind,
+                    "messages": [{"role": "user", "content": template.format(doc="\n\n".join(group), numbered=numbered,
+                                                                              k=rng.randint(1, 3))}]})
     return out
 
 
