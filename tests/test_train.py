@@ -201,6 +201,30 @@ def test_fresh_head_starts_from_the_deepest_aux_state(tiny):
     assert narrow.fc.weight.shape == (32, len(aux_ids) * 64) and narrow.fc.weight.abs().max() < 0.2
 
 
+def test_feature_cache_computes_only_new_shards_when_data_grows(tiny, tmp_path):
+    from models.build import ModelSource
+    from spec.shapes import get_target_aux_layer_ids
+
+    computed: list[int] = []
+
+    class Counting(common.TargetFeaturizer):
+        def __call__(self, seqs):
+            computed.append(len(seqs))
+            return super().__call__(seqs)
+
+    aux_ids = get_target_aux_layer_ids(ModelSource.resolve(str(tiny["target"])).config, None)
+    featurizer = Counting(str(tiny["target"]), aux_ids, topk=4)
+    seqs = common.load_sequences(tiny["data"])
+    first = common.cache_features(featurizer, seqs[:8], tmp_path, shard_size=4)
+    assert len(first) == 2 and sum(computed) == 8
+    grown = common.cache_features(featurizer, seqs[:10], tmp_path, shard_size=4)
+    assert grown[:2] == first and sum(computed) == 10  # only the two appended sequences
+    examples = common.load_examples(grown)
+    assert [e.tokens.tolist() for e in examples] == [s.tokens for s in seqs[:10]]
+    other = common.cache_features(Counting(str(tiny["target"]), aux_ids, topk=2), seqs[:4], tmp_path, shard_size=4)
+    assert other[0] != first[0] and sum(computed) == 14  # other settings never reuse a shard
+
+
 def test_eagle3_trainer_end_to_end(tiny):
     from models.build import ModelSource, build_draft
     from spec.algorithm import SpecAlgorithm

@@ -134,28 +134,31 @@ class TargetFeaturizer:
         return out
 
 
-def _fingerprint(seqs: list[Sequence], aux_layer_ids, topk, dtype) -> str:
+def _digest(*parts) -> str:
     import hashlib
 
-    h = hashlib.sha256(json.dumps([aux_layer_ids, topk, str(dtype)]).encode())
-    for s in seqs:
-        h.update(json.dumps([s.num_prompt, s.tokens]).encode())
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(json.dumps(part).encode())
     return h.hexdigest()[:16]
 
 
 def cache_features(featurizer: TargetFeaturizer, seqs: list[Sequence], cache_dir: Path, shard_size: int = 64,
                    token_budget: int = 2048, desc: str = "target features") -> list[Path]:
-    """Compute features for every sequence once; shards are reused on rerun (resumable)."""
+    """Compute features for every sequence once. Shards of `shard_size` consecutive sequences are
+    named by a hash of their contents (under a folder per target and feature settings), so a
+    rerun, an interrupted run, or a run on grown data (new records are appended) computes only
+    the shards it has not seen."""
     from tqdm import tqdm
 
-    cache_dir = Path(cache_dir) / _fingerprint(seqs, featurizer.aux_ids, featurizer.topk, featurizer.dtype)
+    cache_dir = Path(cache_dir) / _digest(featurizer.source.folder.name, featurizer.aux_ids, featurizer.topk,
+                                          str(featurizer.dtype))
     cache_dir.mkdir(parents=True, exist_ok=True)
     shards = []
-    starts = list(range(0, len(seqs), shard_size))
     bar = tqdm(total=sum(len(s.tokens) for s in seqs), desc=desc, unit="tok", mininterval=10)
-    for n, start in enumerate(starts):
-        path = cache_dir / f"shard{n:05d}.safetensors"
+    for start in range(0, len(seqs), shard_size):
         part = seqs[start : start + shard_size]
+        path = cache_dir / f"{_digest(*[[s.num_prompt, s.tokens] for s in part])}.safetensors"
         shards.append(path)
         if not path.is_file():
             pieces: list[dict[str, torch.Tensor]] = []
