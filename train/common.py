@@ -358,7 +358,7 @@ def write_data_info(state_dir: Path, train_seqs: list[Sequence], held_seqs: list
             "tokens": sum(len(s.tokens) for s in train_seqs),
             "response_tokens": sum(len(s.tokens) - s.num_prompt for s in train_seqs), **extra}
     if init_from:
-        info["init_from"] = str(Path(init_from).expanduser().resolve())
+        info["init_from"] = str(Path(init_from).expanduser())
     (Path(state_dir) / "data_info.json").write_text(json.dumps(info, indent=2))
     print(json.dumps(info))
 
