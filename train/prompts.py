@@ -348,12 +348,12 @@ def _fill_2(rng: random.Random, kind: str) -> str:
 
 
 def _stream(seed: int, kinds: list[tuple[str, int]], fill, prefix: str):
-    """Distinct prompts of one stream, forever; deterministic in seed."""
+    """Distinct prompts of one stream until its templates are used up; deterministic in seed."""
     rng = random.Random(seed)
     names, weights = zip(*kinds)
     seen: set[str] = set()
     misses = 0
-    while misses < 5000:  # a stream whose templates are used up stops
+    while misses < 5000:  # 5000 repeats in a row: nothing new is left
         kind = rng.choices(names, weights)[0]
         text = fill(rng, kind)
         if text in seen:
