@@ -63,7 +63,7 @@ def split_holdout(seqs: list[Sequence], frac: float, seed: int = 0) -> tuple[lis
     return [s for s in seqs if s.group not in held], [s for s in seqs if s.group in held]
 
 
-def _token_counts(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_counts(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(response counts, prompt counts) per target id, each (V,)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     prompt_counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -73,16 +73,16 @@ def _token_counts(seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, 
     return counts, prompt_counts
 
 
-def vocab_coverage(seqs: list[Sequence], ids: torch.Tensor, vocab_size: int) -> float:
-    """Share of response tokens whose id is in `ids` (what a draft vocabulary can predict)."""
-    counts = _token_counts(seqs, vocab_size)[0]
+def vocab_coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    """Share of response tokens (counts (V,) from `token_counts`) whose id is in `ids`: what a
+    draft vocabulary can predict."""
     return float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
-def draft_vocab(seqs: list[Sequence], vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+def draft_vocab(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
     """The draft_vocab_size target ids most frequent as predicted (response) tokens, topped up
-    with prompt tokens and then the lowest ids (BPE merge order); sorted."""
-    counts, prompt_counts = _token_counts(seqs, vocab_size)
+    with prompt tokens and then the lowest ids (BPE merge order); sorted. Counts from `token_counts`."""
+    vocab_size = counts.numel()
     # Lexicographic score: response count, then prompt count, then small id first.
     score = counts.double() * 1e9 + prompt_counts.double().clamp_max(1e8) + (1 - torch.arange(vocab_size) / vocab_size)
     return score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values

@@ -211,6 +211,7 @@ def prepare(args) -> dict:
     train_seqs, held_seqs = common.load_split(args)
     vocab = target_cfg["vocab_size"]
     aux_outputs = [i - 1 for i in aux_inputs]
+    counts, prompt_counts = common.token_counts(train_seqs, vocab)
     if args.resume and (state_dir / "config.json").is_file():
         config = json.loads((state_dir / "config.json").read_text())  # keep the vocab the run started with
         ids = torch.arange(config["draft_vocab_size"]) + torch.load(state_dir / "init.pt", weights_only=True)["d2t"]
@@ -227,7 +228,7 @@ def prepare(args) -> dict:
             init["d2t"], init["t2d"] = init["weights"]["d2t"], init["weights"]["t2d"]
             ids = torch.arange(config["draft_vocab_size"]) + init["d2t"]
         else:
-            ids = common.draft_vocab(train_seqs, vocab, args.draft_vocab_size)
+            ids = common.draft_vocab(counts, prompt_counts, args.draft_vocab_size)
             init["d2t"], init["t2d"] = common.vocab_maps(ids, vocab)
             config = draft_config(target_cfg, len(ids), aux_outputs, args.hidden, args.heads, args.kv_heads,
                                   args.intermediate)
@@ -237,7 +238,7 @@ def prepare(args) -> dict:
             (state_dir / stale).unlink(missing_ok=True)
     shards, held = common.compute_features(args, aux_inputs, train_seqs, held_seqs)
     common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from, draft_vocab_size=len(ids),
-                           draft_vocab_coverage=round(common.vocab_coverage(train_seqs, ids, vocab), 4),
+                           draft_vocab_coverage=round(common.vocab_coverage(counts, ids), 4),
                            **{"aux_layer_ids(outputs)": aux_outputs})
     return common.worker_config(args, "eagle3", state_dir, shards, held, args.ttt_steps, args.decay)
 

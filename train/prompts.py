@@ -235,6 +235,7 @@ ROLEPLAY = [
     "Play the role of {persona} explaining {topic} to {audience}.",
 ]
 
+
 def _reasoning(rng: random.Random) -> str:
     a, b, c = rng.sample(NAMES, 3)
     trait = rng.choice([("taller", "shortest"), ("older", "youngest"), ("faster", "slowest"), ("richer", "poorest")])
