@@ -15,6 +15,7 @@ import torch
 from actors.device import parse_dtype, pick_device, set_threads
 from models.attention import AttentionMetadata
 from models.build import ModelSource, build_draft
+from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 from spec.shapes import get_draft_input_hidden_state_spec, get_draft_recurrent_hidden_state_spec
@@ -129,6 +130,7 @@ class DraftRunner:
         self.num_steps, self.topk, self.tree_size = num_steps, topk, tree_size
         target, draft = ModelSource.resolve(target_model), ModelSource.resolve(draft_model)
         self.model = build_draft(self.algorithm, draft, target, self.dtype, self.device)
+        pack_linears(self.model, self.dtype, self.device)
         self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
         self.input_spec = get_draft_input_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)

@@ -11,6 +11,7 @@ import torch
 from actors.device import parse_dtype, pick_device, set_threads
 from models.attention import AttentionMetadata
 from models.build import ModelSource, build_target
+from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, VerifyInput
 from spec.sampling import accept_tree, choose_tokens
@@ -35,6 +36,7 @@ class TargetRunner:
         self.source = ModelSource.resolve(model)
         draft_config = ModelSource.resolve(draft_model).config if draft_model else None
         self.model = build_target(self.source, self.dtype, self.device)
+        pack_linears(self.model, self.dtype, self.device)
         self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
         # What the draft consumes: EAGLE3 the concatenated inputs of the aux layers, EAGLE the
         # final hidden state; others nothing. The width is the spec's, checked on the way out.

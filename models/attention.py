@@ -25,7 +25,8 @@ class AttentionMetadata:
     kv_index:  (B, K)      slots each request attends to (prefix then new), padded with 0
     mask:      (B, 1, Q, K) bool, True where query q of request b may attend key k
     q_index:   (B, Q)      flat row of each padded query (padding points at row T, a zero row)
-    valid_q:   (B, Q)      bool, False on padding
+    out_rows:  (T,)        row of each token in the flattened (B * Q) padded queries
+    padded:    False when every request has Q new tokens (T = B * Q): queries are then plain views
     """
 
     positions: torch.Tensor
@@ -33,7 +34,8 @@ class AttentionMetadata:
     kv_index: torch.Tensor
     mask: torch.Tensor
     q_index: torch.Tensor
-    valid_q: torch.Tensor
+    out_rows: torch.Tensor
+    padded: bool
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +78,8 @@ class AttentionMetadata:
             kv_index=kv_index.to(device),
             mask=mask.unsqueeze(1).to(device),
             q_index=q_index.to(device),
-            valid_q=valid_q.to(device),
+            out_rows=valid_q.flatten().nonzero().flatten().to(device),
+            padded=total != batch * max_q,
         )
 
 
@@ -101,11 +104,19 @@ def paged_attention(
     k_cache[meta.out_slots] = k
     v_cache[meta.out_slots] = v
     num_tokens, heads, dim = q.shape
-    q_pad = torch.cat([q, q.new_zeros(1, heads, dim)])[meta.q_index]  # (B, Q, Hq, D)
-    keys = k_cache[meta.kv_index]  # (B, K, Hkv, D)
-    values = v_cache[meta.kv_index]
+    batch, num_q = meta.q_index.shape
+    # index_select on flat indices: several times faster than advanced indexing at decode sizes.
+    if meta.padded:
+        q_pad = torch.cat([q, q.new_zeros(1, heads, dim)]).index_select(0, meta.q_index.flatten())
+    else:
+        q_pad = q
+    q_pad = q_pad.view(batch, num_q, heads, dim)  # (B, Q, Hq, D)
+    gather = meta.kv_index.flatten()
+    keys = k_cache.index_select(0, gather).view(batch, -1, *k_cache.shape[1:])  # (B, K, Hkv, D)
+    values = v_cache.index_select(0, gather).view(batch, -1, *v_cache.shape[1:])
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
         attn_mask=meta.mask, scale=scale, enable_gqa=True,
     )  # (B, Hq, Q, D)
-    return out.transpose(1, 2)[meta.valid_q]  # (T, Hq, D)
+    out = out.transpose(1, 2).reshape(batch * num_q, heads, dim)
+    return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)

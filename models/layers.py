@@ -11,6 +11,19 @@ from models.attention import AttentionMetadata, paged_attention
 from models.config import DecoderShape
 
 
+def _stack(linears: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the listed linears' outputs side by side (same input)."""
+    first = linears[0]
+    has_bias = first.bias is not None
+    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=has_bias,
+                    dtype=first.weight.dtype, device=first.weight.device)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in linears]))
+        if has_bias:
+            out.bias.copy_(torch.cat([m.bias for m in linears]))
+    return out
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -57,12 +70,27 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=shape.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, shape.hidden_size, bias=shape.o_bias)
         self.scale = self.head_dim**-0.5
+        self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (serving only)
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj by one linear over their stacked weights: one weight pass per token
+        instead of three (what a decode step is bound by on CPU). Checkpoints load before this."""
+        self.qkv_proj = _stack([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(T, W) -> q (T, Hq * D), k (T, Hkv * D), v (T, Hkv * D)."""
+        if self.qkv_proj is not None:
+            kv = self.num_kv_heads * self.head_dim
+            return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -73,9 +101,19 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
         self.up_proj = nn.Linear(shape.hidden_size, shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = nn.Linear(shape.intermediate_size, shape.hidden_size, bias=shape.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections (serving only)
+
+    def fuse_projections(self) -> None:
+        """Replace gate/up_proj by one linear over their stacked weights (see Attention's)."""
+        self.gate_up_proj = _stack([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -24,6 +24,7 @@ from tiny_models import make_eagle3, make_llama
 from models.attention import AttentionMetadata, KVPool
 from models.build import ModelSource, build_draft, build_target
 from models.loader import CheckpointError, resolve_model
+from models.packed import PackedLinear, can_pack, pack_linears
 from models.registry import DEFAULT_MODEL, REGISTRY
 from spec import BatchMeta, DraftExtendInput, ShapeContractError, SpecAlgorithm, VerifyInput
 from spec.tree import ancestor_mask, depths
@@ -774,3 +775,48 @@ def test_smollm2_aux_hidden_states(smol):
     first = prefill_req(smol.prompt, slots)
     _check_aux(p, [first], kv, atol=SMOL_ATOL)
     _check_aux(p, [prefill_req([smol.prompt[3]], slots, prefix=first)], kv, atol=SMOL_ATOL)
+
+
+# --------------------------------------------------------------------------- prepacked bf16 linears
+
+needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="oneDNN bf16 linear ops unavailable")
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [0, 1, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(48, 40, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(rows, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x.float(), linear.weight.float(),
+                                              None if linear.bias is None else linear.bias.float())
+        got = PackedLinear(linear)(x)
+    assert got.shape == (rows, 40) and got.dtype == torch.bfloat16
+    # Both accumulate in fp32; only the final rounding to bf16 (8 bits of mantissa) may differ.
+    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=2**-7)
+
+
+@needs_packing
+def test_packed_target_matches_unpacked(tiny_target):
+    """Packing fuses q/k/v and gate/up, swaps every linear layer (tied LM head included) and
+    changes logits only by bf16 rounding; the embeddings the LM head is tied to stay usable."""
+    source = ModelSource.resolve(tiny_target)
+    plain = build_target(source, torch.bfloat16, "cpu")
+    packed = build_target(source, torch.bfloat16, "cpu")
+    # Per layer: qkv, o, gate_up, down; then the LM head.
+    assert pack_linears(packed, torch.bfloat16, "cpu") == 4 * packed.shape.num_layers + 1
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
+    slots = Slots(11)
+    reqs = [prefill_req(rand_tokens(9, 1), slots), prefill_req(rand_tokens(5, 2), slots)]
+    results = [ours_forward(m, m.make_kv_pool(NUM_SLOTS, torch.bfloat16, "cpu"), reqs)[0] for m in (plain, packed)]
+    for a, b in zip(*results):
+        assert_close(b.float(), a.float(), atol=0.05 * max(1.0, a.abs().max().item()), what="packed vs plain logits")
+
+
+def test_fp32_models_are_not_packed(tiny_target):
+    model = build_target(ModelSource.resolve(tiny_target), FP32, "cpu")
+    assert not can_pack(FP32, "cpu") and not can_pack(torch.bfloat16, "cuda")
+    assert pack_linears(model, FP32, "cpu") == 0
+    assert isinstance(model.lm_head, torch.nn.Linear)
