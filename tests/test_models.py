@@ -30,6 +30,7 @@ from spec import BatchMeta, DraftExtendInput, ShapeContractError, SpecAlgorithm,
 from spec.tree import ancestor_mask, depths
 
 FP32 = torch.float32
+needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="oneDNN bf16 linear ops unavailable")
 ATOL = 1e-4  # fp32 logits, ours vs transformers
 NUM_SLOTS = 256
 GARBAGE = 1e3  # magnitude of the values that fill slots a request must never read
@@ -631,6 +632,9 @@ def test_target_runner_constructs_and_runs_idle(tiny_target, restore_threads, dt
     assert torch.get_num_threads() == 1
     assert runner.device == torch.device("cpu")
     assert {p.dtype for p in runner.model.parameters()} == {expected}
+    # Serving packs bf16 linears on CPU (models/packed.py); fp32 keeps plain nn.Linear.
+    packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
+    assert packed == (dtype == "bfloat16" and can_pack(torch.bfloat16, "cpu"))
     assert runner.kv.k[0].dtype == expected and runner.kv.num_slots == 32
     out = runner.forward_step(BatchMeta.create_idle(), VerifyInput.create_idle(1))
     assert isinstance(out, DraftExtendInput) and out.num_requests == 0
@@ -722,6 +726,32 @@ def test_draft_runner_constructs_and_checks_hidden_width(tiny_target, tiny_eagle
     assert out.num_requests == 1 and out.hidden_states.shape == (1, 32) and out.topk_index.shape == (1, 2)
 
 
+@needs_packing
+def test_bf16_draft_runner_packs_its_head_and_proposes_a_tree(tiny_target, tiny_eagle3_own, restore_threads):
+    """The EAGLE-3 head served in bf16 runs on packed, fused linears (its q/k/v read 2H-wide
+    rows) and still proposes a well-formed tree over its committed tokens."""
+    from dataclasses import replace
+
+    from actors.draft_runner import DraftRunner
+
+    runner = DraftRunner("eagle3", str(tiny_eagle3_own), str(tiny_target), num_steps=3, topk=2, tree_size=5,
+                         num_slots=64, dtype="bfloat16", device="cpu", num_threads=1)
+    assert runner.model.midlayer.self_attn.qkv_proj is not None
+    assert isinstance(runner.model.lm_head, PackedLinear) and isinstance(runner.model.fc, PackedLinear)
+    n = 4
+    ext = DraftExtendInput(
+        tokens=torch.arange(n), next_tokens=torch.arange(1, n + 1), positions=torch.arange(n),
+        slots=torch.arange(1, n + 1), hidden_states=torch.randn(n, 192).bfloat16(), extend_lens=torch.tensor([n]),
+        accept_lens=torch.tensor([0]),
+    )
+    draft_input = runner.extend(_meta([0], torch.zeros(1, 0, dtype=torch.long)), ext)
+    meta = replace(_meta([n], torch.arange(1, n + 1).unsqueeze(0)), scratch_slots=torch.arange(10, 14).unsqueeze(0))
+    verify = runner.propose(meta, draft_input)
+    assert verify.draft_tokens.shape == (1, 5) and verify.parents[0, 0] == -1
+    assert (verify.parents[0, 1:] < torch.arange(1, 5)).all()  # parents come before their children
+    assert int(verify.draft_tokens[0, 0]) == n  # the root is the last committed token
+
+
 # --------------------------------------------------------------------------- real SmolLM2 (integration)
 
 
@@ -778,8 +808,6 @@ def test_smollm2_aux_hidden_states(smol):
 
 
 # --------------------------------------------------------------------------- prepacked bf16 linears
-
-needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="oneDNN bf16 linear ops unavailable")
 
 
 @needs_packing
