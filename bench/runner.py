@@ -180,7 +180,8 @@ def plot(result: dict, path: Path) -> bool:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     series = {f"runner {d}": r["decode_tokens_per_s"] for d, r in result["runner"].items()}
-    series["transformers generate"] = result["transformers_generate"]["decode_tokens_per_s"]
+    hf = result["transformers_generate"]
+    series[f"transformers generate {hf['dtype']}"] = hf["decode_tokens_per_s"]
     for name, values in series.items():
         xs = sorted(int(b) for b in values)
         left.plot(xs, [values[str(b)] for b in xs], marker="o", label=name)
