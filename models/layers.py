@@ -46,16 +46,20 @@ class RotaryEmbedding(nn.Module):
         self.attention_scaling = attention_scaling
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (T,) -> cos, sin (T, 1, D) for `apply_rotary`, computed once per forward pass.
+        sin's first half is negated here, so that every layer's rotation needs no negation."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)  # (T, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)  # (T, D)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+        cos, sin = emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+        half = freqs.shape[1]
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D); cos/sin (T, D)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    """x (T, heads, D), cos/sin (T, 1, D) from RotaryEmbedding: x * cos + rotate_half(x) * sin,
+    where rotate_half(x) = cat(-x2, x1) = roll(x, D/2) with the sign carried by sin (exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
 class Attention(nn.Module):
@@ -78,19 +82,22 @@ class Attention(nn.Module):
         self.qkv_proj = _stack([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(T, W) -> q (T, Hq * D), k (T, Hkv * D), v (T, Hkv * D)."""
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, W) -> q and k heads side by side (T, Hq + Hkv, D), v (T, Hkv, D): RoPE then
+        rotates q and k in one pass."""
+        t, qk_width = x.shape[0], (self.num_heads + self.num_kv_heads) * self.head_dim
         if self.qkv_proj is not None:
-            kv = self.num_kv_heads * self.head_dim
-            return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            qkv = self.qkv_proj(x)  # (T, (Hq + 2 Hkv) * D)
+            qk, v = qkv[:, :qk_width], qkv[:, qk_width:]
+        else:
+            qk, v = torch.cat([self.q_proj(x), self.k_proj(x)], dim=-1), self.v_proj(x)
+        return qk.view(t, -1, self.head_dim), v.view(t, -1, self.head_dim)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.project(x)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qk, v = self.project(x)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 

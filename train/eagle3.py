@@ -153,9 +153,11 @@ class TTTModel(nn.Module):
             positions = (rows + k).expand(b, t).reshape(-1)
             cos, sin = d.rotary(positions, hidden.dtype)
             x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1).reshape(b * t, -1)
-            q = apply_rotary(attn.q_proj(x).view(b * t, hq, hd), cos, sin).view(b, t, hq, hd).transpose(1, 2)
-            key = apply_rotary(attn.k_proj(x).view(b * t, hkv, hd), cos, sin).view(b, t, hkv, hd).transpose(1, 2)
-            val = attn.v_proj(x).view(b, t, hkv, hd).transpose(1, 2)
+            qk, val = attn.project(x)  # (B*T, Hq + Hkv, D), (B*T, Hkv, D): the serving layer's projections
+            qk = apply_rotary(qk, cos, sin)
+            q = qk[:, :hq].reshape(b, t, hq, hd).transpose(1, 2)  # (B, Hq, T, D)
+            key = qk[:, hq:].reshape(b, t, hkv, hd).transpose(1, 2)
+            val = val.view(b, t, hkv, hd).transpose(1, 2)
             key = key.repeat_interleave(hq // hkv, dim=1)  # (B, Hq, T, D), query head h -> kv head h // g
             val = val.repeat_interleave(hq // hkv, dim=1)
             keys.append(key)
