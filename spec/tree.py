@@ -11,25 +11,22 @@ def chain_parents(batch: int, num_nodes: int) -> torch.Tensor:
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """(B, N) parents -> (B, N, N) bool: [b, i, j] is True when j is i or an ancestor of i.
+    """(B, N) parents (-1 at the root) -> (B, N, N) bool: [b, i, j] is True when j is i or an
+    ancestor of i.
 
-    Parents always precede their children (parent index < child index), so one pass in
-    node order is enough.
+    Vectorised (it runs every decode step): start from "j is i or i's parent" and square that
+    relation until it spans the deepest possible path (N - 1 edges), a handful of batched
+    matmuls instead of a Python loop over nodes.
     """
     batch, n = parents.shape
-    mask = torch.eye(n, dtype=torch.bool).unsqueeze(0).repeat(batch, 1, 1)
-    for i in range(1, n):
-        p = parents[:, i].clamp_min(0)  # (B,)
-        has_parent = (parents[:, i] >= 0).unsqueeze(1)
-        mask[:, i] |= mask[torch.arange(batch), p] & has_parent
-    return mask
+    nodes = torch.arange(n, device=parents.device)
+    step = (nodes.view(1, n, 1) == nodes.view(1, 1, n)) | (parents.unsqueeze(2) == nodes.view(1, 1, n))
+    reach = step.float()  # (B, N, N)
+    for _ in range(max(n - 1, 1).bit_length()):  # after k squarings: paths of up to 2**k edges
+        reach = (torch.bmm(reach, reach) > 0).float()
+    return reach.bool()
 
 
 def depths(parents: torch.Tensor) -> torch.Tensor:
-    """(B, N) depth of each node (root 0) given parents that precede children."""
-    batch, n = parents.shape
-    depth = torch.zeros(batch, n, dtype=torch.long)
-    for i in range(1, n):
-        p = parents[:, i]
-        depth[:, i] = torch.where(p >= 0, depth[torch.arange(batch), p.clamp_min(0)] + 1, 0)
-    return depth
+    """(B, N) depth of each node (root 0): how many ancestors it has."""
+    return ancestor_mask(parents).sum(dim=-1) - 1
