@@ -317,3 +317,19 @@ def test_tree_helpers_are_per_row():
     assert depth.tolist() == [[0, 1, 1, 2, 2, 2], [0, 1, 2, 3, 4, 5]]
     # Depth = ancestors excluding self.
     assert torch.equal(depth, mask.sum(dim=2) - 1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 17, 33])
+def test_ancestor_mask_matches_walking_up_the_parents(n):
+    """Random trees and the deepest one (a chain of n - 1 edges): the squaring must reach the root."""
+    g = torch.Generator().manual_seed(n)
+    random = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    parents = torch.stack([torch.tensor(random), chain_parents(1, n)[0]])  # (2, n)
+    expected = torch.zeros(2, n, n, dtype=torch.bool)
+    for b, row in enumerate(parents.tolist()):
+        for i in range(n):
+            j = i
+            while j >= 0:
+                expected[b, i, j] = True
+                j = row[j]
+    assert torch.equal(ancestor_mask(parents), expected)
