@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from models.attention import AttentionMetadata
 from models.build import ModelSource, build_target
+from models.packed import pack_linears
 
 DEFAULT_DATA = Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph") / "train"
 
@@ -101,12 +102,14 @@ def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.
 class TargetFeaturizer:
     """Our own target forward (same code as serving) over whole sequences, batched as ragged
     requests: aux hidden states (inputs of `aux_layer_ids`) and the top-k logits per position.
-    bf16 by default: what a bf16 server feeds the draft, and ~3x faster than fp32 with AMX."""
+    bf16 by default: what a bf16 server feeds the draft (packed linears included, as the
+    runners pack them), and ~3x faster than fp32 with AMX."""
 
     def __init__(self, target: str, aux_layer_ids: list[int] | None, topk: int = 32, device="cpu",
                  dtype: torch.dtype = torch.bfloat16):
         self.source = ModelSource.resolve(target)
         self.model = build_target(self.source, dtype, device)
+        pack_linears(self.model, dtype, device)
         self.aux_ids = aux_layer_ids
         self.topk = topk
         self.device = device
