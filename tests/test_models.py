@@ -827,10 +827,11 @@ def test_packed_linear_matches_linear(rows, bias):
 
 
 @needs_packing
-def test_packed_target_matches_unpacked(tiny_target):
-    """Packing fuses q/k/v and gate/up, swaps every linear layer (tied LM head included) and
-    changes logits only by bf16 rounding; the embeddings the LM head is tied to stay usable."""
-    source = ModelSource.resolve(tiny_target)
+def test_packed_target_matches_unpacked(pair):
+    """On every config (biases, untied heads, MQA, Qwen2): packing fuses q/k/v and gate/up, swaps
+    every linear layer (a tied LM head included) and changes logits only by bf16 rounding; the
+    embeddings a tied LM head shares stay usable."""
+    source = ModelSource.resolve(pair.folder)
     plain = build_target(source, torch.bfloat16, "cpu")
     packed = build_target(source, torch.bfloat16, "cpu")
     # Per layer: qkv, o, gate_up, down; then the LM head.
