@@ -30,11 +30,12 @@ def _last_rows(ext: DraftExtendInput) -> torch.Tensor:
 def _verify_input(root: torch.Tensor, draft: torch.Tensor, parents: torch.Tensor, seq_lens: torch.Tensor) -> VerifyInput:
     """root (B,), draft (B, N-1) tokens, parents (B, N) with -1 at the root -> VerifyInput."""
     tokens = torch.cat([root.unsqueeze(1), draft], dim=1)  # (B, N)
+    mask = ancestor_mask(parents)  # (B, N, N)
     return VerifyInput(
         draft_tokens=tokens,
         parents=parents,
-        positions=seq_lens.unsqueeze(1) + depths(parents),
-        tree_mask=ancestor_mask(parents),
+        positions=seq_lens.unsqueeze(1) + depths(mask),
+        tree_mask=mask,
     )
 
 

@@ -27,6 +27,7 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return reach.bool()
 
 
-def depths(parents: torch.Tensor) -> torch.Tensor:
-    """(B, N) depth of each node (root 0): how many ancestors it has."""
-    return ancestor_mask(parents).sum(dim=-1) - 1
+def depths(mask: torch.Tensor) -> torch.Tensor:
+    """(B, N, N) `ancestor_mask` -> (B, N) depth of each node (root 0): how many ancestors it has.
+    Takes the mask, not the parents, so a caller that needs both builds the mask once."""
+    return mask.sum(dim=-1) - 1

@@ -177,11 +177,10 @@ def prefill_req(tokens: list[int], slots: Slots, prefix: Req | None = None) -> R
 
 def tree_req(prefix: Req, tokens: list[int], parents: list[int], slots: Slots) -> Req:
     """A draft tree after `prefix` (already in the KV pool): tree mask and explicit positions."""
-    par = torch.tensor([parents])
+    mask = ancestor_mask(torch.tensor([parents]))
     start = len(prefix.prefix_tokens) + len(prefix.tokens)
-    return Req(tokens, slots.take(len(tokens)), start + depths(par)[0],
-               torch.cat([prefix.prefix_slots, prefix.slots]), prefix.prefix_tokens + prefix.tokens,
-               ancestor_mask(par)[0])
+    return Req(tokens, slots.take(len(tokens)), start + depths(mask)[0],
+               torch.cat([prefix.prefix_slots, prefix.slots]), prefix.prefix_tokens + prefix.tokens, mask[0])
 
 
 @torch.no_grad()

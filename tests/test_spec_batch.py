@@ -139,6 +139,7 @@ def make_request(world: World, rid: int, gen: torch.Generator) -> Request:
 
     n_nodes, k = world.num_draft_tokens, world.topk
     parents = torch.tensor([-1] + [int(ints(high=i)) for i in range(1, n_nodes)])  # a random tree
+    mask = ancestor_mask(parents[None])[0]  # (N, N)
     seq_len = int(ints(high=7))
     extend = int(ints(high=5)) + 1
     accept = int(ints(high=extend))
@@ -157,7 +158,7 @@ def make_request(world: World, rid: int, gen: torch.Generator) -> Request:
         verified_id=next_tokens[-1], d_hidden=hidden(None, world.recurrent_spec),
         topk_p=torch.rand(k, generator=gen), topk_index=ints(k),
         draft_tokens=ints(n_nodes), parents=parents,
-        v_positions=seq_len + depths(parents[None])[0], tree_mask=ancestor_mask(parents[None])[0],
+        v_positions=seq_len + depths(mask), tree_mask=mask,
         tokens=ints(extend), next_tokens=next_tokens,
         e_positions=torch.arange(seq_len, seq_len + extend), slots=ints(extend, high=10_000),
         e_hidden=hidden(extend, world.input_spec),

@@ -298,7 +298,7 @@ def test_tree_mask_and_depths_hand_built():
     mask = ancestor_mask(parents)
     assert mask.shape == (1, 6, 6) and mask.dtype == torch.bool
     assert torch.equal(mask[0], expected)
-    assert depths(parents).tolist() == [[0, 1, 1, 2, 2, 2]]
+    assert depths(mask).tolist() == [[0, 1, 1, 2, 2, 2]]
 
 
 def test_chain_mask_is_lower_triangular_and_depths_count_up():
@@ -306,12 +306,13 @@ def test_chain_mask_is_lower_triangular_and_depths_count_up():
     assert parents.tolist() == [[-1, 0, 1, 2, 3]] * 2
     mask = ancestor_mask(parents)
     assert torch.equal(mask, torch.tril(torch.ones(5, 5, dtype=torch.bool)).expand(2, 5, 5))
-    assert depths(parents).tolist() == [[0, 1, 2, 3, 4]] * 2
+    assert depths(mask).tolist() == [[0, 1, 2, 3, 4]] * 2
 
 
 def test_tree_helpers_are_per_row():
     parents = torch.stack([torch.tensor(TREE_PARENTS), chain_parents(1, 6)[0]])  # (2, 6)
-    mask, depth = ancestor_mask(parents), depths(parents)
+    mask = ancestor_mask(parents)
+    depth = depths(mask)
     assert torch.equal(mask[0], ancestor_mask(parents[:1])[0])
     assert torch.equal(mask[1], torch.tril(torch.ones(6, 6, dtype=torch.bool)))
     assert depth.tolist() == [[0, 1, 1, 2, 2, 2], [0, 1, 2, 3, 4, 5]]
