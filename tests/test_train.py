@@ -276,6 +276,85 @@ def test_eagle3_trainer_end_to_end(tiny):
         eagle3.main(base + ["--out", str(wrong / "out"), "--work-dir", str(wrong / "work"), "--init-from", str(wrong)])
 
 
+def test_max_minutes_fits_the_step_count_to_the_budget(tiny):
+    """A budget already spent when the step count is fitted (step 25) ends the run there, and the
+    head is still saved."""
+    from train import eagle3
+
+    out, work = tiny["root"] / "eagle3_budget", tiny["root"] / "eagle3_budget_work"
+    eagle3.main(["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(out), "--work-dir", str(work),
+                 "--draft-vocab-size", "48", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64",
+                 "--epochs", "40", "--token-budget", "256", "--warmup", "5", "--holdout", "0", "--topk", "8",
+                 "--max-steps", "60", "--max-minutes", "1e-6", "--save-every", "1000", "--no-ray"])
+    train = [r for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 26))
+    assert (out / "model.safetensors").is_file()
+
+
+def test_online_features_train_like_cached_ones(tiny):
+    """--online-features (each batch's features computed by the target inside the loop, nothing
+    cached) gives the losses the feature cache gives: same batches, same labels, same held-out
+    evaluation."""
+    from train import eagle3
+
+    logs = {}
+    for mode in ("cached", "online"):
+        work = tiny["root"] / f"eagle3_{mode}_work"
+        eagle3.main(["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(tiny["root"] / mode),
+                     "--work-dir", str(work), "--draft-vocab-size", "48", "--hidden", "32", "--heads", "4",
+                     "--kv-heads", "2", "--intermediate", "64", "--token-budget", "256", "--warmup", "2", "--topk", "8",
+                     "--holdout", "0.1", "--max-steps", "6", "--save-every", "3", "--eval-every", "3",
+                     "--feature-dtype", "float32", "--amp", "off", "--no-ray"] + (["--online-features"] if mode == "online" else []))
+        logs[mode] = common.read_log(work / "log.jsonl")
+    for kind in ("train", "eval"):
+        cached, online = ([r["loss"] for r in logs[m] if r["kind"] == kind] for m in ("cached", "online"))
+        assert len(online) == {"train": 6, "eval": 2}[kind]
+        assert online == pytest.approx(cached, rel=1e-4)
+    assert (tiny["root"] / "eagle3_online_work" / "tokens-train.safetensors").is_file()
+    # Under bf16 autocast (the default) the target still runs in its own dtype, evaluation included.
+    work = tiny["root"] / "eagle3_online_amp_work"
+    eagle3.main(["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--out", str(tiny["root"] / "amp"),
+                 "--work-dir", str(work), "--draft-vocab-size", "48", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
+                 "--intermediate", "64", "--token-budget", "256", "--topk", "8", "--holdout", "0.1", "--max-steps", "2",
+                 "--save-every", "2", "--eval-every", "2", "--online-features", "--no-ray"])
+    assert [r["kind"] for r in common.read_log(work / "log.jsonl")] == ["train", "train", "eval"]
+
+
+def test_steps_in_budget():
+    assert common.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=100.0) == 25 + 180
+    assert common.steps_in_budget(100, 25, per_step_s=0.5, remaining_s=100.0) == 100  # the budget is not a floor
+    assert common.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=-3.0) == 25  # already over: stop now
+
+
+def test_generation_stops_at_its_deadline_and_resumes(tiny, tmp_path):
+    """train.data --max-minutes: past the deadline no more steps run and nothing half-done is
+    written; a rerun without a deadline finishes the remaining jobs."""
+    import time
+
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from spec.sampling import SamplingParams
+    from train.data import read_jsonl, run_engine
+
+    engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
+    prompts = [{"id": f"d{i}", "kind": "chat", "messages": [{"role": "user", "content": f"w{i} w{i + 1}"}]}
+               for i in range(6)]
+    jobs = [(p["id"], p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+    path = tmp_path / "responses.jsonl"
+    try:
+        assert run_engine(engine, jobs, path, deadline=time.time()) == {}
+        assert read_jsonl(path) == []
+    finally:
+        engine.shutdown()
+    engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
+    try:
+        done = run_engine(engine, jobs, path)
+    finally:
+        engine.shutdown()
+    assert sorted(done) == [p["id"] for p in prompts]
+    assert [len(r["output_ids"]) for r in read_jsonl(path)] == [6] * 6
+
+
 def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Path) -> None:
     """--init-from with lr 0: the run starts from the source draft (its first losses are the
     trained level, not a fresh head's), saves the same tensors back, and records the source."""

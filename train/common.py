@@ -116,7 +116,14 @@ class TargetFeaturizer:
         self.dtype = dtype
 
     @torch.inference_mode()
-    def __call__(self, seqs: list[list[int]]) -> dict[str, torch.Tensor]:
+    def __call__(self, seqs: list[list[int]], to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Features of the concatenated sequences: topk_logits (N, K) half, topk_ids (N, K) int,
+        aux (N, A) half; on the CPU (for the cache) or left on this featurizer's device (online)."""
+        # The numerics are self.dtype's, also when called inside a training loop's autocast.
+        with torch.autocast(torch.device(self.device).type, enabled=False):
+            return self._features(seqs, to_cpu)
+
+    def _features(self, seqs: list[list[int]], to_cpu: bool) -> dict[str, torch.Tensor]:
         lens = [len(s) for s in seqs]
         total = sum(lens)
         kv = self.model.make_kv_pool(total, self.dtype, self.device)
@@ -131,10 +138,10 @@ class TargetFeaturizer:
             values, index = self.model.logits(chunk).float().topk(self.topk, dim=-1)
             top_vals.append(values.half())
             top_ids.append(index.int())
-        out = {"topk_logits": torch.cat(top_vals).cpu(), "topk_ids": torch.cat(top_ids).cpu()}
+        out = {"topk_logits": torch.cat(top_vals), "topk_ids": torch.cat(top_ids)}
         if aux is not None:
-            out["aux"] = aux.half().cpu()
-        return out
+            out["aux"] = aux.half()
+        return {k: v.cpu() for k, v in out.items()} if to_cpu else out
 
 
 def _digest(*parts) -> str:
@@ -184,13 +191,32 @@ def cache_features(featurizer: TargetFeaturizer, seqs: list[Sequence], cache_dir
     return shards
 
 
+def token_shard(seqs: list[Sequence], path: Path) -> Path:
+    """A shard of tokens alone (no features), for --online-features."""
+    save_file({"tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.long),
+               "num_prompt": torch.tensor([s.num_prompt for s in seqs]),
+               "lens": torch.tensor([len(s.tokens) for s in seqs])}, str(path))
+    return path
+
+
+@dataclass
+class FeatureSet:
+    """What the training loop reads: shards holding cached features, or token-only shards plus
+    what each worker needs to compute the features itself, batch by batch, on its own device."""
+
+    shards: list[Path]
+    held: list[Path]
+    online: dict | None = None  # {"aux_ids", "topk", "dtype"} of the worker's TargetFeaturizer
+
+
 @dataclass
 class Example:
     tokens: torch.Tensor  # (T,) long
     loss_mask: torch.Tensor  # (T,) bool: position holds a response token
-    topk_ids: torch.Tensor  # (T, K) int: the target's top-k for the token AFTER each position
-    topk_logits: torch.Tensor  # (T, K) half
+    topk_ids: torch.Tensor | None  # (T, K) int: the target's top-k for the token AFTER each position
+    topk_logits: torch.Tensor | None  # (T, K) half
     aux: torch.Tensor | None  # (T, A) half
+    # topk_* and aux are None in a token-only shard until `featurize` fills them in.
 
 
 def load_examples(shards: list[Path], keep=lambda i: True, with_aux: bool = True) -> list[Example]:
@@ -203,10 +229,25 @@ def load_examples(shards: list[Path], keep=lambda i: True, with_aux: bool = True
                 sl = slice(offset, offset + n)
                 mask = torch.zeros(n, dtype=torch.bool)
                 mask[p:] = True
-                out.append(Example(t["tokens"][sl].long(), mask, t["topk_ids"][sl], t["topk_logits"][sl],
+                has = "topk_ids" in t
+                out.append(Example(t["tokens"][sl].long(), mask, t["topk_ids"][sl] if has else None,
+                                   t["topk_logits"][sl] if has else None,
                                    t["aux"][sl] if with_aux and "aux" in t else None))
             offset += n
             index += 1
+    return out
+
+
+def featurize(featurizer: TargetFeaturizer, examples: list[Example], with_aux: bool = True) -> list[Example]:
+    """Token-only examples -> the same examples with features, in one target forward over all of
+    them, left on the featurizer's device."""
+    feats = featurizer([e.tokens.tolist() for e in examples], to_cpu=False)
+    out, offset = [], 0
+    for e in examples:
+        sl = slice(offset, offset + len(e.tokens))
+        out.append(Example(e.tokens, e.loss_mask, feats["topk_ids"][sl], feats["topk_logits"][sl],
+                           feats["aux"][sl] if with_aux and "aux" in feats else None))
+        offset += len(e.tokens)
     return out
 
 
@@ -228,18 +269,19 @@ def make_batches(examples: list[Example], token_budget: int, seed: int) -> list[
     return batches
 
 
-def pad_batch(examples: list[Example]) -> dict[str, torch.Tensor]:
+def pad_batch(examples: list[Example], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """(B, T, ...) tensors on `device`, right-padded to the longest example."""
     b, t = len(examples), max(len(e.tokens) for e in examples)
     k = examples[0].topk_ids.shape[1]
     out = {
-        "tokens": torch.zeros(b, t, dtype=torch.long),
-        "valid": torch.zeros(b, t, dtype=torch.bool),
-        "loss_mask": torch.zeros(b, t, dtype=torch.bool),
-        "topk_ids": torch.zeros(b, t, k, dtype=torch.long),
-        "topk_logits": torch.full((b, t, k), -1e4, dtype=torch.float32),
+        "tokens": torch.zeros(b, t, dtype=torch.long, device=device),
+        "valid": torch.zeros(b, t, dtype=torch.bool, device=device),
+        "loss_mask": torch.zeros(b, t, dtype=torch.bool, device=device),
+        "topk_ids": torch.zeros(b, t, k, dtype=torch.long, device=device),
+        "topk_logits": torch.full((b, t, k), -1e4, dtype=torch.float32, device=device),
     }
     if examples[0].aux is not None:
-        out["aux"] = torch.zeros(b, t, examples[0].aux.shape[1], dtype=torch.float32)
+        out["aux"] = torch.zeros(b, t, examples[0].aux.shape[1], dtype=torch.float32, device=device)
     for i, e in enumerate(examples):
         n = len(e.tokens)
         out["tokens"][i, :n] = e.tokens
@@ -259,8 +301,14 @@ def soft_targets(topk_ids: torch.Tensor, topk_logits: torch.Tensor, t2d_index: t
     draft_ids = t2d_index[topk_ids]  # (..., K)
     logits = topk_logits.masked_fill(draft_ids < 0, -1e4)
     probs = logits.softmax(-1)
-    out = torch.zeros(*topk_ids.shape[:-1], draft_vocab_size, dtype=probs.dtype)
+    out = torch.zeros(*topk_ids.shape[:-1], draft_vocab_size, dtype=probs.dtype, device=probs.device)
     return out.scatter_add_(-1, draft_ids.clamp_min(0), probs * (draft_ids >= 0))
+
+
+def steps_in_budget(total: int, step: int, per_step_s: float, remaining_s: float, margin: float = 0.9) -> int:
+    """The step count that ends a run now at `step` within `remaining_s` seconds (a `margin` share
+    of it, the rest left for evals and checkpoints), never more than `total` nor fewer than `step`."""
+    return max(step, min(total, step + int(margin * max(0.0, remaining_s) / max(per_step_s, 1e-9))))
 
 
 def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
@@ -343,15 +391,28 @@ def load_split(args) -> tuple[list[Sequence], list[Sequence]]:
 
 
 def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Sequence],
-                     held_seqs: list[Sequence]) -> tuple[list[Path], list[Path]]:
+                     held_seqs: list[Sequence]) -> FeatureSet:
     """Target feature shards (train, held-out), cached under --data/features. Both trainers pass
-    the target's aux ids, so one target pass serves both."""
+    the target's aux ids, so one target pass serves both. With --online-features nothing is
+    computed here: the sequences go to token-only shards in the work dir and every worker runs
+    the target itself on each batch (a GPU does that in a fraction of a step, with no storage)."""
+    if args.online_features:
+        folder = work_dir(args)
+        folder.mkdir(parents=True, exist_ok=True)
+        held = [token_shard(held_seqs, folder / "tokens-held.safetensors")] if held_seqs else []
+        return FeatureSet([token_shard(train_seqs, folder / "tokens-train.safetensors")], held,
+                          {"aux_ids": aux_layer_ids, "topk": args.topk, "dtype": args.feature_dtype})
     torch.set_num_threads(args.threads * max(1, args.num_workers if not args.no_ray else 1))
-    featurizer = TargetFeaturizer(args.target, aux_layer_ids, args.topk, dtype=getattr(torch, args.feature_dtype))
+    gpu = args.use_gpu and torch.cuda.is_available()
+    featurizer = TargetFeaturizer(args.target, aux_layer_ids, args.topk, device="cuda" if gpu else "cpu",
+                                  dtype=getattr(torch, args.feature_dtype))
+    # A GPU forward is cheap and mostly launch overhead at 2K tokens: give it bigger ragged batches.
+    budget = 32768 if gpu else 2048
     cache = Path(args.data).expanduser() / "features"
-    shards = cache_features(featurizer, train_seqs, cache, desc="target features (train)")
-    held = cache_features(featurizer, held_seqs, cache, desc="target features (held-out)") if held_seqs else []
-    return shards, held
+    shards = cache_features(featurizer, train_seqs, cache, token_budget=budget, desc="target features (train)")
+    held = cache_features(featurizer, held_seqs, cache, token_budget=budget, desc="target features (held-out)") \
+        if held_seqs else []
+    return FeatureSet(shards, held)
 
 
 def write_data_info(state_dir: Path, train_seqs: list[Sequence], held_seqs: list[Sequence], init_from: str = "",
@@ -366,13 +427,14 @@ def write_data_info(state_dir: Path, train_seqs: list[Sequence], held_seqs: list
     print(json.dumps(info))
 
 
-def worker_config(args, kind: str, state_dir: Path, shards: list[Path], held: list[Path], ttt_steps: int,
-                  decay: float) -> dict:
+def worker_config(args, kind: str, state_dir: Path, features: FeatureSet, ttt_steps: int, decay: float) -> dict:
     """The config `train.loop.train_loop` runs on every worker."""
     return {
         "kind": kind, "out": str(Path(args.out).resolve()), "state_dir": str(Path(state_dir).resolve()),
-        "target": args.target, "shards": [str(p) for p in shards], "held_shards": [str(p) for p in held],
-        "epochs": args.epochs, "max_steps": args.max_steps, "token_budget": args.token_budget, "lr": args.lr,
+        "target": args.target, "shards": [str(p) for p in features.shards],
+        "held_shards": [str(p) for p in features.held], "online": features.online,
+        "epochs": args.epochs, "max_steps": args.max_steps, "max_minutes": args.max_minutes,
+        "token_budget": args.token_budget, "lr": args.lr,
         "warmup": args.warmup, "ttt_steps": ttt_steps, "decay": decay, "seed": args.seed, "threads": args.threads,
         "resume": args.resume, "save_every": args.save_every, "eval_every": args.eval_every,
         "use_gpu": args.use_gpu, "amp": args.amp, "save_dtype": SAVE_DTYPES[args.save_dtype],
@@ -394,6 +456,10 @@ def add_training_args(p, lr: float) -> None:
                    help="dtype of the target forward that computes features and labels")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="wall-clock budget of the command, data loading and features included: after a few "
+                        "steps the step count is cut to end within it, the learning-rate schedule run to its end "
+                        "(0: no budget)")
     p.add_argument("--token-budget", type=int, default=2048, help="padded tokens per batch per worker")
     p.add_argument("--lr", type=float, default=lr)
     p.add_argument("--warmup", type=int, default=30)
@@ -405,6 +471,9 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--amp", default="bf16", choices=["bf16", "off"],
                    help="bf16 autocast for forward/backward (fp32 master weights); ~2x on CPUs with AMX/AVX512-BF16")
     p.add_argument("--use-gpu", action="store_true")
+    p.add_argument("--online-features", action="store_true",
+                   help="compute target features per batch on each worker instead of caching them on disk "
+                        "(no feature storage; meant for GPU workers, where the target forward is cheap)")
     p.add_argument("--no-ray", action="store_true", help="run the loop in this process (debugging)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default="", metavar="DIR",

@@ -32,9 +32,10 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run_engine(engine, jobs: list[tuple[str, dict, object]], out_path: Path | None = None, desc: str = "generate",
-               extra: dict | None = None) -> dict[str, dict]:
+               extra: dict | None = None, deadline: float | None = None) -> dict[str, dict]:
     """jobs: (key, prompt record, SamplingParams). Runs them all batched (the scheduler admits up
-    to max_running_requests at a time); returns key -> record, appending each to out_path."""
+    to max_running_requests at a time); returns key -> record, appending each to out_path. Past
+    `deadline` (time.time()) it stops: finished records are kept, a rerun resumes the rest."""
     from tqdm import tqdm
 
     scheduler = engine.scheduler
@@ -48,7 +49,7 @@ def run_engine(engine, jobs: list[tuple[str, dict, object]], out_path: Path | No
     bar = tqdm(total=len(pending), desc=desc, mininterval=5)
     tokens = 0
     try:
-        while pending:
+        while pending and (deadline is None or time.time() < deadline):
             scheduler.step()
             for key in [k for k, v in pending.items() if v[2].finish_reason is not None]:
                 prompt, ids, request, params = pending.pop(key)
@@ -95,6 +96,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft-model", default="", help="generate with EAGLE3 speculation (lossless, faster)")
     parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="stop generating after this long (what finished is kept; rerun to resume)")
     args = parser.parse_args(argv)
 
     import torch
@@ -109,6 +112,7 @@ def main(argv=None) -> None:
     responses_path = out / "responses.jsonl"
     done = {r["key"] for r in read_jsonl(responses_path)}
     start = time.time()
+    deadline = start + args.max_minutes * 60 if args.max_minutes else None
 
     eval_prompts = build_prompt_set(args.num_prompts + args.num_eval_prompts, EVAL_SEED)
     prompts = build_prompt_set(args.num_prompts, args.seed)
@@ -131,8 +135,10 @@ def main(argv=None) -> None:
     passages_path = out / "passages.jsonl"
     have = {r["key"]: r for r in read_jsonl(passages_path)}
     jobs = [(p["id"], p, SamplingParams(max_tokens=160, temperature=0.0)) for p in passage_prompts if p["id"] not in have]
-    have.update(run_engine(engine, jobs, passages_path, "passages"))
-    texts = [have[p["id"]]["text"] for p in passage_prompts if have[p["id"]]["finish"] == "stop"]
+    have.update(run_engine(engine, jobs, passages_path, "passages", deadline=deadline))
+    # Derived prompts are numbered by passage order, so they are built only once every passage exists.
+    complete = all(p["id"] in have for p in passage_prompts)
+    texts = [have[p["id"]]["text"] for p in passage_prompts if have[p["id"]]["finish"] == "stop"] if complete else []
     derived, dropped = filter_prompts(passage_tasks(texts, args.seed))
     all_prompts = prompts + derived
 
@@ -147,7 +153,7 @@ def main(argv=None) -> None:
     # Shuffled (outputs do not depend on order) so a run stopped early has covered every kind of
     # prompt, document tasks included, in proportion.
     random.Random(args.seed + 1).shuffle(jobs)
-    first = run_engine(engine, jobs, responses_path, "answers")
+    first = run_engine(engine, jobs, responses_path, "answers", deadline=deadline)
 
     # Stage 3: second turns on a share of the greedy answers.
     previous = {r["key"]: r for r in read_jsonl(responses_path)}
@@ -162,7 +168,7 @@ def main(argv=None) -> None:
         convo = {"id": p["id"], "kind": p["kind"] + "+followup",
                  "messages": follow_up(p["messages"], record["text"], zlib.crc32(key.encode()) % 1000)}
         jobs.append((key, convo, greedy))
-    run_engine(engine, jobs, responses_path, "follow-ups")
+    run_engine(engine, jobs, responses_path, "follow-ups", deadline=deadline)
     engine.shutdown()
     records = read_jsonl(responses_path)
     tokens = sum(len(r["output_ids"]) for r in records)

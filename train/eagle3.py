@@ -142,7 +142,7 @@ class TTTModel(nn.Module):
         tokens, valid, loss_mask = batch["tokens"], batch["valid"], batch["loss_mask"]
         b, t = tokens.shape
         hq, hkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
-        rows = torch.arange(t)
+        rows = torch.arange(t, device=tokens.device)
         causal = rows.unsqueeze(0) <= rows.unsqueeze(1)  # (T query, T key): key row <= query row
         hidden = d.fc(batch["aux"])  # (B, T, H)
         keys, values = [], []
@@ -190,7 +190,7 @@ class TTTModel(nn.Module):
                 n = int(sel.sum())
             else:
                 loss_k = h.sum() * 0.0
-                acc_k, n = torch.tensor(0.0), 0
+                acc_k, n = 0.0, 0
             total = total + (self.decay**k) * loss_k
             stats.append((float(loss_k.detach()), float(acc_k), n))
             hidden = h
@@ -238,11 +238,11 @@ def prepare(args) -> dict:
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
-    shards, held = common.compute_features(args, aux_inputs, train_seqs, held_seqs)
+    features = common.compute_features(args, aux_inputs, train_seqs, held_seqs)
     common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from, draft_vocab_size=len(ids),
                            draft_vocab_coverage=round(common.vocab_coverage(counts, ids), 4),
                            **{"aux_layer_ids(outputs)": aux_outputs})
-    return common.worker_config(args, "eagle3", state_dir, shards, held, args.ttt_steps, args.decay)
+    return common.worker_config(args, "eagle3", state_dir, features, args.ttt_steps, args.decay)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     start = time.time()
     cfg = prepare(args)
-    loop.run(cfg, args.num_workers)
+    loop.run(cfg, args.num_workers, start)
     loop.report(args, start, "eagle3", "EAGLE3", args.ttt_steps)
 
 

@@ -88,8 +88,14 @@ def train_loop(cfg: dict) -> None:
     if cfg["max_steps"]:
         total_steps = min(total_steps, cfg["max_steps"])
     needed = {i for plan in plans for bi, batch in enumerate(plan) if bi % world == rank for i in batch}
-    examples = dict(zip(sorted(needed), common.load_examples(cfg["shards"], keep=lambda i: i in needed, with_aux=cfg["kind"] == "eagle3")))
-    held = common.load_examples(cfg["held_shards"], with_aux=cfg["kind"] == "eagle3") if cfg["held_shards"] and rank == 0 else []
+    with_aux = cfg["kind"] == "eagle3"
+    examples = dict(zip(sorted(needed), common.load_examples(cfg["shards"], keep=lambda i: i in needed, with_aux=with_aux)))
+    held = common.load_examples(cfg["held_shards"], with_aux=with_aux) if cfg["held_shards"] and rank == 0 else []
+    featurizer = None
+    if cfg["online"]:
+        spec = cfg["online"]
+        featurizer = common.TargetFeaturizer(cfg["target"], spec["aux_ids"], spec["topk"], device=device,
+                                             dtype=getattr(torch, spec["dtype"]))
 
     log_path = state_dir / "log.jsonl"
     timer = common.Timer(elapsed)
@@ -99,8 +105,10 @@ def train_loop(cfg: dict) -> None:
 
         bar = tqdm(total=total_steps, initial=step, desc=cfg["kind"], mininterval=10, file=sys.stdout)
 
-    def to_dev(batch):
-        return {k: v.to(device) for k, v in batch.items()}
+    def make_batch(items: list[common.Example]) -> dict[str, torch.Tensor]:
+        if featurizer is not None:
+            return common.pad_batch(common.featurize(featurizer, items, with_aux), device)
+        return {k: v.to(device) for k, v in common.pad_batch(items).items()}
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["amp"] == "bf16")
@@ -112,7 +120,7 @@ def train_loop(cfg: dict) -> None:
         with torch.no_grad():
             for i in range(0, len(held), 8):
                 with autocast():
-                    _, stats = module(to_dev(common.pad_batch(held[i : i + 8])))
+                    _, stats = module(make_batch(held[i : i + 8]))
                 for s, (l, a, n) in zip(sums, stats):
                     s[0] += l * n
                     s[1] += a * n
@@ -131,11 +139,15 @@ def train_loop(cfg: dict) -> None:
         save(out, torch.float32 if not final else cfg["save_dtype"])
         common.plot_losses(log_path, out / "loss.png", f"{cfg['kind']} draft for {cfg['target']}")
 
+    # --max-minutes: time steps fit_from..fit_at of this run (the first ones warm up kernels and
+    # caches), then cut total_steps so the rest ends by the deadline, a tenth kept for evals and saves.
+    deadline, fit_from, fit_at = cfg.get("deadline", 0), step + 5, step + 25
+    fit_start = time.time()
     model.train()
     while step < total_steps:
         epoch, index = divmod(step, per_epoch)
         batch_ids = plans[epoch][index * world + rank]
-        batch = to_dev(common.pad_batch([examples[i] for i in batch_ids]))
+        batch = make_batch([examples[i] for i in batch_ids])
         for group in optim.param_groups:
             group["lr"] = common.lr_at(step, total_steps, cfg["lr"], cfg["warmup"])
         with autocast():
@@ -145,6 +157,18 @@ def train_loop(cfg: dict) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         step += 1
+        if deadline and step == fit_from:
+            fit_start = time.time()
+        if deadline and step == fit_at:
+            per_step = (time.time() - fit_start) / (fit_at - fit_from)
+            total_steps = common.steps_in_budget(total_steps, step, per_step, deadline - time.time())
+            if cfg["use_ray"] and world > 1:
+                agreed = torch.tensor([total_steps])
+                torch.distributed.broadcast(agreed, 0)  # every rank stops at rank 0's count
+                total_steps = int(agreed)
+            if rank == 0:
+                bar.total = total_steps
+                print(f"--max-minutes {cfg['max_minutes']}: {per_step * 1000:.0f} ms/step, training {total_steps} steps")
         record = {"kind": "train", "step": step, "epoch": epoch, "loss": float(loss.detach()),
                   "loss_k": [s[0] for s in stats], "acc_k": [s[1] for s in stats],
                   "lr": optim.param_groups[0]["lr"], "time": round(timer.elapsed, 1)}
@@ -165,7 +189,10 @@ def train_loop(cfg: dict) -> None:
             checkpoint(final=True)
 
 
-def run(cfg: dict, num_workers: int) -> None:
+def run(cfg: dict, num_workers: int, started: float) -> None:
+    """Trains on `num_workers` Ray Train workers (or in this process with --no-ray); --max-minutes
+    counts from `started`, the command's start, so data loading and features are inside it."""
+    cfg = dict(cfg, deadline=started + cfg["max_minutes"] * 60 if cfg["max_minutes"] else 0)
     if not cfg["use_ray"]:
         train_loop(cfg)
         return

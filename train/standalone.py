@@ -132,13 +132,13 @@ def prepare(args) -> dict:
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
     # The student needs no aux states; the same aux ids as train.eagle3 keep one shared feature cache.
-    shards, held = common.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
+    features = common.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
     c = json.loads((state_dir / "config.json").read_text())
     common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from,
                            student=f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
                                    f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
                                    f"intermediate {c['intermediate_size']}, tied embeddings")
-    return common.worker_config(args, "standalone", state_dir, shards, held, ttt_steps=1, decay=1.0)
+    return common.worker_config(args, "standalone", state_dir, features, ttt_steps=1, decay=1.0)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     start = time.time()
     cfg = prepare(args)
-    loop.run(cfg, args.num_workers)
+    loop.run(cfg, args.num_workers, start)
     loop.report(args, start, "standalone", "STANDALONE", args.eval_steps)
 
 
