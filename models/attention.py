@@ -114,9 +114,25 @@ def paged_attention(
     gather = meta.kv_index.flatten()
     keys = k_cache.index_select(0, gather).view(batch, -1, *k_cache.shape[1:])  # (B, K, Hkv, D)
     values = v_cache.index_select(0, gather).view(batch, -1, *v_cache.shape[1:])
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=meta.mask, scale=scale, enable_gqa=True,
-    )  # (B, Hq, Q, D)
+    out = masked_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), meta.mask, scale,
+                           expand_kv=q.is_cuda)  # (B, Hq, Q, D)
     out = out.transpose(1, 2).reshape(batch * num_q, heads, dim)
     return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     expand_kv: bool) -> torch.Tensor:
+    """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D).
+
+    expand_kv: give every query head its own view of its KV head instead of SDPA's enable_gqa.
+    On CUDA, enable_gqa with a mask falls back to the math kernel, which repeats the KV heads
+    with repeat_interleave and so waits for the GPU in every layer (on an H200, ~1.8 ms per call
+    whatever the batch); expanded heads let the memory-efficient kernel take masks. On CPU,
+    enable_gqa reads each KV head once, which is cheaper there."""
+    if not expand_kv or q.shape[1] == k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    b, hkv, n, d = k.shape
+    group = q.shape[1] // hkv
+    k = k.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)  # head h -> kv head h // group
+    v = v.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

@@ -283,6 +283,27 @@ def _ragged_batch(slots: Slots) -> tuple[list[Req], list[Req]]:
     return [p1, p2, p3, p4], batch
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
+def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
+    """The CUDA path of masked_attention (each query head given its KV head explicitly, so SDPA
+    can use a fused kernel with a mask) equals SDPA's enable_gqa and a plain softmax reference."""
+    from models.attention import masked_attention
+
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    b, q_len, k_len, d = 3, 5, 11, 16
+    q = torch.randn(b, heads, q_len, d, generator=g)
+    k, v = (torch.randn(b, kv_heads, k_len, d, generator=g) for _ in range(2))
+    mask = torch.rand(b, 1, q_len, k_len, generator=g) < 0.6
+    mask[..., 0] = True  # every query sees at least one key
+    native = masked_attention(q, k, v, mask, 0.25, expand_kv=False)
+    expanded = masked_attention(q, k, v, mask, 0.25, expand_kv=True)
+    kv_of_head = torch.arange(heads) // (heads // kv_heads)
+    scores = (q @ k[:, kv_of_head].transpose(-1, -2)) * 0.25
+    reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head]
+    torch.testing.assert_close(expanded, native, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(expanded, reference, rtol=1e-5, atol=1e-5)
+
+
 def test_ragged_batch_equals_requests_one_by_one(tiny_target):
     """A batch mixing prefill, decode and verify equals each request alone, where everything
     outside that request's own slots is different garbage; the pass writes only its new slots."""

@@ -39,7 +39,8 @@ def write_card(out: Path, state: Path, kind: str, target: str, args: dict) -> No
     if summary.get("wall_s"):
         lines.append(f"| total wall time of the command (s) | {summary['wall_s']} |")
     keep = ["epochs", "max_steps", "lr", "token_budget", "ttt_steps", "decay", "draft_vocab_size", "num_workers",
-            "threads", "hidden", "layers", "temperature", "max_len", "topk", "amp", "feature_dtype"]
+            "threads", "hidden", "layers", "temperature", "max_len", "topk", "amp", "feature_dtype", "use_gpu",
+            "online_features", "no_ray", "max_minutes"]
     flags = {k: args[k] for k in keep if k in args and args[k] not in (None, "", 0)}
     lines += ["", f"Arguments: `{json.dumps(flags)}`", "", "![loss](loss.png)", ""]
     acc = summary.get("acceptance")

@@ -1,6 +1,7 @@
 """Shared by the trainers: sequences from `train.data` output, target features (aux hidden
-states and top-k logits, computed once with our own target forward and cached as
-safetensors shards), token-frequency vocabularies, batching, logs, plots, model cards."""
+states and top-k logits, computed with our own target forward, once and cached as safetensors
+shards or per batch on each worker with --online-features), token-frequency vocabularies,
+batching, logs, plots, model cards."""
 
 from __future__ import annotations
 

@@ -163,7 +163,7 @@ def train_loop(cfg: dict) -> None:
             per_step = (time.time() - fit_start) / (fit_at - fit_from)
             total_steps = common.steps_in_budget(total_steps, step, per_step, deadline - time.time())
             if cfg["use_ray"] and world > 1:
-                agreed = torch.tensor([total_steps])
+                agreed = torch.tensor([total_steps], device=device)  # NCCL needs it on the GPU
                 torch.distributed.broadcast(agreed, 0)  # every rank stops at rank 0's count
                 total_steps = int(agreed)
             if rank == 0:
