@@ -180,10 +180,7 @@ def cache_features(featurizer: TargetFeaturizer, seqs: list[Sequence], cache_dir
                     group = []
                 if s is not None:
                     group.append(s.tokens)
-            tensors = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]}
-            tensors["tokens"] = torch.tensor([t for s in part for t in s.tokens])
-            tensors["num_prompt"] = torch.tensor([s.num_prompt for s in part])
-            tensors["lens"] = torch.tensor([len(s.tokens) for s in part])
+            tensors = {k: torch.cat([p[k] for p in pieces]) for k in pieces[0]} | token_tensors(part)
             tmp = path.with_suffix(".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, path)
@@ -192,11 +189,16 @@ def cache_features(featurizer: TargetFeaturizer, seqs: list[Sequence], cache_dir
     return shards
 
 
+def token_tensors(seqs: list[Sequence]) -> dict[str, torch.Tensor]:
+    """What every shard holds besides features: tokens (N,) flat, num_prompt and lens per sequence."""
+    return {"tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.long),
+            "num_prompt": torch.tensor([s.num_prompt for s in seqs]),
+            "lens": torch.tensor([len(s.tokens) for s in seqs])}
+
+
 def token_shard(seqs: list[Sequence], path: Path) -> Path:
     """A shard of tokens alone (no features), for --online-features."""
-    save_file({"tokens": torch.tensor([t for s in seqs for t in s.tokens], dtype=torch.long),
-               "num_prompt": torch.tensor([s.num_prompt for s in seqs]),
-               "lens": torch.tensor([len(s.tokens) for s in seqs])}, str(path))
+    save_file(token_tensors(seqs), str(path))
     return path
 
 
