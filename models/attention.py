@@ -131,8 +131,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     enable_gqa reads each KV head once, which is cheaper there."""
     if not expand_kv or q.shape[1] == k.shape[1]:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    b, hkv, n, d = k.shape
-    group = q.shape[1] // hkv
-    k = k.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)  # head h -> kv head h // group
-    v = v.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv_heads(k, group), repeat_kv_heads(v, group), attn_mask=mask,
+                                          scale=scale)
+
+
+def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, Hkv, N, D) -> (B, Hkv * group, N, D): query head h reads KV head h // group. An expand
+    and one copy, where repeat_interleave on CUDA first waits for the GPU to size its output."""
+    b, hkv, n, d = x.shape
+    return x.unsqueeze(2).expand(b, hkv, group, n, d).reshape(b, hkv * group, n, d)

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from models.attention import repeat_kv_heads
 from models.drafts import Eagle3Draft
 from models.layers import apply_rotary
 from train import common, loop
@@ -160,8 +161,8 @@ class TTTModel(nn.Module):
             q = qk[:, :hq].reshape(b, t, hq, hd).transpose(1, 2)  # (B, Hq, T, D)
             key = qk[:, hq:].reshape(b, t, hkv, hd).transpose(1, 2)
             val = val.view(b, t, hkv, hd).transpose(1, 2)
-            key = key.repeat_interleave(hq // hkv, dim=1)  # (B, Hq, T, D), query head h -> kv head h // g
-            val = val.repeat_interleave(hq // hkv, dim=1)
+            key = repeat_kv_heads(key, hq // hkv)  # (B, Hq, T, D), query head h -> kv head h // g
+            val = repeat_kv_heads(val, hq // hkv)
             keys.append(key)
             values.append(val)
             scores = (q @ keys[0].transpose(-1, -2)) * attn.scale  # (B, Hq, T, T) over step-0 keys

@@ -94,8 +94,9 @@ def train_loop(cfg: dict) -> None:
     featurizer = None
     if cfg["online"]:
         spec = cfg["online"]
-        featurizer = common.TargetFeaturizer(cfg["target"], spec["aux_ids"], spec["topk"], device=device,
-                                             dtype=getattr(torch, spec["dtype"]))
+        # Aux states only for heads that read them: a standalone student needs the logits alone.
+        featurizer = common.TargetFeaturizer(cfg["target"], spec["aux_ids"] if with_aux else None, spec["topk"],
+                                             device=device, dtype=getattr(torch, spec["dtype"]))
 
     log_path = state_dir / "log.jsonl"
     timer = common.Timer(elapsed)
