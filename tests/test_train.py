@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import torch
 from tiny_models import make_llama
 from train import common
 from train.decontam import SPEC_BENCH, EvalIndex, filter_prompts, load_eval_turns, user_text
-from train.prompts import follow_up, generate_prompts, passage_tasks
+from train.prompts import (DOC_SEVERAL, DOC_SINGLE, back_translation_tasks, document_prompts, follow_up,
+                           generate_prompts, passage_tasks)
 
 VOCAB = 64
 
@@ -31,6 +33,10 @@ def test_training_prompts_disjoint_from_spec_bench():
     prompts = generate_prompts(2000, 0) + generate_prompts(400, EVAL_SEED)
     passages = [f"Some text the target wrote about {t}, with a few more words in it." for t in ("tea", "maps", "rain")]
     prompts += passage_tasks(passages * 20, 0)
+    documents = document_prompts(1500, 0)
+    prompts += documents + passage_tasks([user_text(d["messages"]) for d in documents[:60]], 0, prefix="w",
+                                         single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
+    prompts += back_translation_tasks([("German", "Mein Bruder geht gern auf den Markt."), ("French", "Bonjour.")], 0)
     prompts.append({"id": "x", "kind": "chat",
                     "messages": follow_up(prompts[0]["messages"], "An answer.", 3)})
     bad = [(user_text(p["messages"]), index.overlaps(user_text(p["messages"]))) for p in prompts]
@@ -65,6 +71,37 @@ def test_passage_tasks_build_long_and_several_document_prompts():
         assert all(p in text for p in passages[3 * j : 3 * j + 3])
         assert task["kind"] in {"summarize_long", "extract_long", "rag"}
     assert passage_tasks(passages, 0) == tasks and len({t["id"] for t in tasks}) == len(tasks)
+
+
+def test_document_stream_groups_two_to_five_passages():
+    documents = document_prompts(300, 0)
+    assert documents == document_prompts(300, 0) and documents == document_prompts(600, 0)[:300]
+    assert len({user_text(d["messages"]) for d in documents}) == 300
+    assert {d["kind"] for d in documents} == {"passage"} and all(d["id"].startswith("w") for d in documents)
+    passages = [f"Passage {i} about one more subject." for i in range(16)]
+    tasks = passage_tasks(passages, 0, prefix="w", single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
+    groups = tasks[16:]
+    # 2 + 3 + 4 + 5 = 14 passages in four groups; the next group (2) takes two more, none are left.
+    assert [sum(p in user_text(t["messages"]) for p in passages) for t in groups] == [2, 3, 4, 5, 2]
+    assert all(t["id"].startswith(("pw0-", "mw0-")) for t in tasks)
+    assert not {t["id"] for t in tasks} & {t["id"] for t in passage_tasks(passages, 0)}
+
+
+def test_back_translation_joins_one_language_and_ids_name_their_text():
+    few = [("German", f"Satz {i}.") for i in range(5)] + [("French", "Une phrase.")]
+    many = few + [("German", f"Noch ein Satz {i}.") for i in range(9)]
+    small, large = back_translation_tasks(few, 0), back_translation_tasks(many, 0)
+    for task in small:
+        text = user_text(task["messages"])
+        assert "English" in text and ("Satz" in text) != ("phrase" in text)  # one language per prompt
+    assert sorted(t for task in small for t in re.findall(r"Satz \d\.", user_text(task["messages"]))) == \
+        [f"Satz {i}." for i in range(5)]
+    # More translations regroup the texts; an id still names exactly one prompt text, so a resumed
+    # run never takes a new group for one it already answered.
+    texts: dict[str, set[str]] = {}
+    for task in small + large:
+        texts.setdefault(task["id"], set()).add(user_text(task["messages"]))
+    assert all(len(v) == 1 for v in texts.values())
 
 
 def test_holdout_split_keeps_prompts_together_and_is_stable_as_data_grows():

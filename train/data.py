@@ -8,6 +8,9 @@ recomputed with `models.build.build_target` when training.
 Writes `responses.jsonl` (one record per finished generation: id, kind, mode, prompt_ids,
 output_ids), appended as requests finish so an interrupted run resumes where it stopped,
 and `eval_prompts.jsonl` (held-out prompts from another seed, for measuring acceptance).
+`--documents N --back-translations` add document tasks: N passages of the document stream, then
+summarize / extract / question prompts over one to five of them, and prompts to translate the
+target's own translations back into English; they are answered before the plain prompts.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import zlib
 from pathlib import Path
 
 from train.decontam import filter_prompts
-from train.prompts import follow_up, generate_prompts, passage_tasks
+from train.prompts import (DOC_SEVERAL, DOC_SINGLE, TRANSLATE_TO, back_translation_tasks, document_prompts, follow_up,
+                           generate_prompts, passage_tasks)
 
 EVAL_SEED = 10_000
 
@@ -79,6 +83,31 @@ def build_prompt_set(num_prompts: int, seed: int) -> list[dict]:
     return prompts
 
 
+def document_tasks(engine, prompts: list[dict], args, out: Path, deadline: float | None) -> list[dict]:
+    """The document stream's passages (answered here, greedy, into responses.jsonl) and the tasks
+    built on them once all exist; with --back-translations, prompts to translate the target's
+    finished greedy translations back into English."""
+    from spec.sampling import SamplingParams
+
+    responses_path = out / "responses.jsonl"
+    have = {r["key"]: r for r in read_jsonl(responses_path)}
+    documents, _ = filter_prompts(document_prompts(args.documents, args.seed))
+    jobs = [(f"{p['id']}:g", p, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+            for p in documents if f"{p['id']}:g" not in have]
+    have.update(run_engine(engine, jobs, responses_path, "documents", deadline=deadline))
+    tasks = []
+    if all(f"{p['id']}:g" in have for p in documents):
+        texts = [have[f"{p['id']}:g"]["text"] for p in documents if have[f"{p['id']}:g"]["finish"] == "stop"]
+        tasks += passage_tasks(texts, args.seed, prefix="w", single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
+    if args.back_translations:
+        languages = {p["id"]: lang for p in prompts if p["kind"] == "translation"
+                     for lang in TRANSLATE_TO if lang in p["messages"][0]["content"]}
+        done = [(languages[r["id"]], r["text"]) for key, r in sorted(have.items())
+                if r["id"] in languages and key.endswith(":g") and r["finish"] == "stop"]
+        tasks += back_translation_tasks(done, args.seed)
+    return filter_prompts(tasks)[0]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -96,6 +125,10 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft-model", default="", help="generate with EAGLE3 speculation (lossless, faster)")
     parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=0,
+                        help="passages of the document stream to write, which become long document tasks")
+    parser.add_argument("--back-translations", action="store_true",
+                        help="ask to translate the target's own translations back into English")
     parser.add_argument("--max-minutes", type=float, default=0.0,
                         help="stop generating after this long (what finished is kept; rerun to resume)")
     args = parser.parse_args(argv)
@@ -140,7 +173,7 @@ def main(argv=None) -> None:
     complete = all(p["id"] in have for p in passage_prompts)
     texts = [have[p["id"]]["text"] for p in passage_prompts if have[p["id"]]["finish"] == "stop"] if complete else []
     derived, dropped = filter_prompts(passage_tasks(texts, args.seed))
-    all_prompts = prompts + derived
+    all_prompts = prompts + derived + document_tasks(engine, prompts, args, out, deadline)
 
     # Stage 2: greedy answers for every prompt, sampled answers for a share of them.
     jobs = []
@@ -151,8 +184,11 @@ def main(argv=None) -> None:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
             jobs.append((f"{p['id']}:s", p, params))
     # Shuffled (outputs do not depend on order) so a run stopped early has covered every kind of
-    # prompt, document tasks included, in proportion.
+    # prompt in proportion; document tasks (on passages, the document stream and translations)
+    # go first, being the scarcest kind and the only one that trains drafting over long contexts.
     random.Random(args.seed + 1).shuffle(jobs)
+    plain = {p["id"] for p in prompts}
+    jobs.sort(key=lambda job: job[1]["id"] in plain)
     first = run_engine(engine, jobs, responses_path, "answers", deadline=deadline)
 
     # Stage 3: second turns on a share of the greedy answers.

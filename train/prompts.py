@@ -7,7 +7,11 @@ second (ids `r<seed>-k`) widens the styles: roleplay, reasoning puzzles, short f
 questions, essays, structured output, reading and fixing code, multi-step arithmetic. Answers to
 `passage` prompts (text the target writes itself) become the material of summarize / rewrite /
 extract / question prompts, and joined three at a time, of long-document and several-document
-prompts (`passage_tasks`). Nothing here is taken from any benchmark; `train.decontam` checks that.
+prompts (`passage_tasks`). A third stream (`document_prompts`, ids `w<seed>-k`) asks only for
+passages, in many genres (news, reports, emails, reviews, guides), whose answers become document
+tasks over two to five joined passages; `back_translation_tasks` asks to translate the target's
+own translations back into English. Nothing here is taken from any benchmark; `train.decontam`
+checks that.
 
     generate_prompts(n, seed) -> [{"id", "kind", "messages": [{"role": "user", "content"}]}]
 """
@@ -15,6 +19,7 @@ prompts (`passage_tasks`). Nothing here is taken from any benchmark; `train.deco
 from __future__ import annotations
 
 import random
+import zlib
 
 TOPICS = [
     "photosynthesis", "black holes", "the water cycle", "volcanoes", "honey bees", "the immune system",
@@ -405,24 +410,106 @@ DOCUMENT_TASKS = [
 ]
 
 
-def passage_tasks(passages: list[str], seed: int = 0) -> list[dict]:
-    """Prompts that work on text the target wrote itself: one per passage (summarize / rewrite /
-    extract / ...), then one per three consecutive passages joined into a long document or a set
-    of numbered documents (long-context summarizing, extraction and document QA)."""
+def passage_tasks(passages: list[str], seed: int = 0, prefix: str = "", single=PASSAGE_TASKS,
+                  several=DOCUMENT_TASKS, sizes: tuple[int, ...] = (3,)) -> list[dict]:
+    """Prompts that work on text the target wrote itself: one per passage (`single`: summarize /
+    rewrite / extract / ...), then one per group of consecutive passages (group j joins
+    sizes[j % len(sizes)] of them) as a long document or a set of numbered documents (`several`:
+    long-context summarizing, extraction and document QA). Ids `p<prefix><seed>-i` and
+    `m<prefix><seed>-j`."""
     rng = random.Random(seed + 7919)
     out = []
     for i, text in enumerate(passages):
-        kind, template = rng.choice(PASSAGE_TASKS)
-        out.append({"id": f"p{seed}-{i}", "kind": kind,
+        kind, template = rng.choice(single)
+        out.append({"id": f"p{prefix}{seed}-{i}", "kind": kind,
                     "messages": [{"role": "user", "content": template.format(text=text.strip())}]})
     rng = random.Random(seed + 104729)
-    for j in range(len(passages) // 3):
-        group = [t.strip() for t in passages[3 * j : 3 * j + 3]]
-        kind, template = rng.choice(DOCUMENT_TASKS)
+    start, j = 0, 0
+    while start + sizes[j % len(sizes)] <= len(passages):
+        size = sizes[j % len(sizes)]
+        group = [t.strip() for t in passages[start : start + size]]
+        kind, template = rng.choice(several)
         numbered = "\n\n".join(f"Document {k + 1}:\n{t}" for k, t in enumerate(group))
-        out.append({"id": f"m{seed}-{j}", "kind": kind,
+        out.append({"id": f"m{prefix}{seed}-{j}", "kind": kind,
                     "messages": [{"role": "user", "content": template.format(doc="\n\n".join(group), numbered=numbered,
-                                                                              k=rng.randint(1, 3))}]})
+                                                                              k=rng.randint(1, size))}]})
+        start, j = start + size, j + 1
+    return out
+
+
+# The document stream (`document_prompts`, ids `w<seed>-k`): passages in many genres, written by
+# the target, that become longer and more varied document tasks than the main stream's (groups of
+# two to five passages), so a head learns to draft answers that copy from a long context.
+DOC_GENRES = [
+    "Write a short news article about {topic}.", "Write an encyclopedia entry about {topic}.",
+    "Write a how-to guide about {topic} with numbered steps.", "Write a short product description of a {product}.",
+    "Write a short biography of {name}, a fictional expert on {topic}.", "Write the minutes of a club meeting about {topic}.",
+    "Write an email from {name} to a colleague about {topic}.", "Write a travel guide paragraph about a town famous for {topic}.",
+    "Write a short report with numbers and dates about {topic}.", "Write a customer review of a {product}.",
+    "Write a short interview with {name} about {topic}.", "Write a museum label describing an exhibit on {topic}.",
+    "Write a school textbook paragraph about {topic} for {audience}.", "Write a press release about a new {product}.",
+    "Write a short history of {topic} with a few key dates.", "Write a diary entry by {name} about a day spent on {topic}.",
+    "Write a FAQ section about {topic}.", "Write a job advertisement for a position related to {topic}.",
+]
+
+DOC_SINGLE = PASSAGE_TASKS + [
+    ("extract", "{text}\n\nExtract all names, numbers and dates from the text above as a JSON object."),
+    ("extract", "From the following text, list every person mentioned and what they did.\n\n{text}"),
+    ("extract", "Read this text and fill in a table with the columns Item, Detail.\n\n{text}"),
+    ("question", "Answer using only the text below. What is the most important fact it states?\n\n{text}"),
+    ("question", "{text}\n\nDoes the text above mention any numbers? Quote them with their context."),
+    ("summarize", "Summarize this in three bullet points:\n\n{text}"),
+    ("rewrite", "Correct and improve the grammar and style of the following text:\n\n{text}"),
+    ("rewrite", "Rewrite the text below so that a child can understand it.\n\n{text}"),
+]
+
+DOC_SEVERAL = DOCUMENT_TASKS + [
+    ("summarize_long", "Write a short news summary that covers all of the following material.\n\n{doc}"),
+    ("summarize_long", "{doc}\n\nSummarize the text above in five bullet points."),
+    ("extract_long", "{numbered}\n\nList every name, number and date in the documents above, with the document it is from."),
+    ("extract_long", "Read the documents and make a table with one row per document: title, topic, main fact.\n\n{numbered}"),
+    ("rag", "Answer the question using the documents. Cite the document number.\n\n{numbered}\n\n"
+            "Question: which document is the most useful for a beginner, and why?"),
+    ("rag", "{numbered}\n\nUsing only Document {k}, write three questions and their answers."),
+    ("rag", "Context:\n{numbered}\n\nBased on the context, what facts does Document {k} state? Quote them."),
+]
+
+
+def _fill_doc(rng: random.Random, kind: str) -> str:
+    return rng.choice(DOC_GENRES).format(topic=rng.choice(TOPICS), product=rng.choice(PRODUCTS),
+                                         name=rng.choice(NAMES), audience=rng.choice(AUDIENCES))
+
+
+def document_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct passage-writing prompts of the document stream (kind `passage`)."""
+    stream = _stream(seed + 2_000_029, [("passage", 1)], _fill_doc, "w")
+    return [p for _, p in zip(range(n), stream)]
+
+
+BACK_TRANSLATE = [
+    "Translate the following {lang} text into English:\n\n{text}", "Translate to English: {text}",
+    "What does this {lang} text mean in English?\n{text}", "Please translate this from {lang} to English.\n\n{text}",
+]
+
+
+def back_translation_tasks(translations: list[tuple[str, str]], seed: int = 0) -> list[dict]:
+    """translations: (language, text the target wrote in it) -> prompts to translate it back to
+    English, one to four texts of the same language joined (ids `t<seed>-<crc32 of the text>`)."""
+    rng = random.Random(seed + 15_485_863)
+    by_lang: dict[str, list[str]] = {}
+    for lang, text in translations:
+        by_lang.setdefault(lang, []).append(text.strip())
+    out = []
+    for lang in sorted(by_lang):
+        texts, start = by_lang[lang], 0
+        while start < len(texts):
+            size = rng.randint(1, 4)
+            text = " ".join(texts[start : start + size])
+            # Ids hash the text: the set of finished translations grows between runs, which moves
+            # the groups, and a resumed run must not take a new group for an answered one.
+            out.append({"id": f"t{seed}-{zlib.crc32(text.encode())}", "kind": "back_translation",
+                        "messages": [{"role": "user", "content": rng.choice(BACK_TRANSLATE).format(lang=lang, text=text)}]})
+            start += size
     return out
 
 
