@@ -392,6 +392,41 @@ def test_generation_stops_at_its_deadline_and_resumes(tiny, tmp_path):
     assert [len(r["output_ids"]) for r in read_jsonl(path)] == [6] * 6
 
 
+def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path):
+    """train.data --documents/--back-translations: passages of the document stream that are not
+    answered yet go through the engine; tasks are built over the finished ones (in groups of two
+    to five) and over finished translations."""
+    import types
+
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from train.data import document_tasks, read_jsonl
+
+    documents = document_prompts(8, 0)
+    records = [{"key": f"{d['id']}:g", "id": d["id"], "kind": "passage", "mode": "greedy", "prompt_ids": [1],
+                "output_ids": [2, 3], "text": f"Passage {i} of the stream.", "finish": "stop"}
+               for i, d in enumerate(documents[:7])]
+    translation = {"id": "s0-9", "kind": "translation", "messages": [{"role": "user", "content": "Translate into German: Hi."}]}
+    records.append({"key": "s0-9:g", "id": "s0-9", "kind": "translation", "mode": "greedy", "prompt_ids": [1],
+                    "output_ids": [4], "text": "Hallo.", "finish": "stop"})
+    path = tmp_path / "responses.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = types.SimpleNamespace(documents=8, seed=0, max_tokens=6, back_translations=True)
+    engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
+    try:
+        tasks = document_tasks(engine, [translation], args, tmp_path, None)
+    finally:
+        engine.shutdown()
+    answered = read_jsonl(path)[len(records):]
+    assert [r["key"] for r in answered] == [f"{documents[7]['id']}:g"]  # only the missing passage
+    finished = [r["text"] for r in records[:7]] + [r["text"] for r in answered if r["finish"] == "stop"]
+    assert sum(t["id"].startswith("pw0-") for t in tasks) == len(finished)
+    groups = [t for t in tasks if t["id"].startswith("mw0-")]
+    assert [sum(p in user_text(t["messages"]) for p in finished) for t in groups][:2] == [2, 3]
+    assert [(t["kind"], "English" in user_text(t["messages"])) for t in tasks if "Hallo." in user_text(t["messages"])] \
+        == [("back_translation", True)]
+
+
 def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Path) -> None:
     """--init-from with lr 0: the run starts from the source draft (its first losses are the
     trained level, not a fresh head's), saves the same tensors back, and records the source."""
