@@ -394,8 +394,8 @@ def test_generation_stops_at_its_deadline_and_resumes(tiny, tmp_path):
 
 def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path):
     """train.data --documents/--back-translations: passages of the document stream that are not
-    answered yet go through the engine; tasks are built over the finished ones (in groups of two
-    to five) and over finished translations."""
+    answered yet go through the engine; tasks are built over the answered ones (cut at their last
+    full sentence, in groups of two to five) and over finished translations."""
     import types
 
     from graphs.config import EngineConfig
@@ -403,9 +403,11 @@ def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path)
     from train.data import document_tasks, read_jsonl
 
     documents = document_prompts(8, 0)
+    body = " ".join(["Some words the target wrote."] * 5)
     records = [{"key": f"{d['id']}:g", "id": d["id"], "kind": "passage", "mode": "greedy", "prompt_ids": [1],
-                "output_ids": [2, 3], "text": f"Passage {i} of the stream.", "finish": "stop"}
+                "output_ids": [2, 3], "text": f"Passage {i} of the stream. {body}", "finish": "stop"}
                for i, d in enumerate(documents[:7])]
+    records[1].update(text=records[1]["text"] + " Cut off in the midd", finish="length")
     translation = {"id": "s0-9", "kind": "translation", "messages": [{"role": "user", "content": "Translate into German: Hi."}]}
     records.append({"key": "s0-9:g", "id": "s0-9", "kind": "translation", "mode": "greedy", "prompt_ids": [1],
                     "output_ids": [4], "text": "Hallo.", "finish": "stop"})
@@ -419,8 +421,12 @@ def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path)
         engine.shutdown()
     answered = read_jsonl(path)[len(records):]
     assert [r["key"] for r in answered] == [f"{documents[7]['id']}:g"]  # only the missing passage
-    finished = [r["text"] for r in records[:7]] + [r["text"] for r in answered if r["finish"] == "stop"]
+    finished = [f"Passage {i} of the stream. {body}" for i in range(7)]
+    # The tiny target's passage has no full sentence, so it is left out; the one cut at
+    # max_tokens keeps its full sentences.
     assert sum(t["id"].startswith("pw0-") for t in tasks) == len(finished)
+    assert not [t for t in tasks if "midd" in user_text(t["messages"])]
+    assert [t for t in tasks if finished[1] in user_text(t["messages"])]
     groups = [t for t in tasks if t["id"].startswith("mw0-")]
     assert [sum(p in user_text(t["messages"]) for p in finished) for t in groups][:2] == [2, 3]
     assert [(t["kind"], "English" in user_text(t["messages"])) for t in tasks if "Hallo." in user_text(t["messages"])] \

@@ -83,6 +83,15 @@ def build_prompt_set(num_prompts: int, seed: int) -> list[dict]:
     return prompts
 
 
+def whole_sentences(record: dict) -> str:
+    """A finished answer's text; one cut at max_tokens ends at its last full sentence (most
+    passages of the document stream run that long)."""
+    text = record["text"].strip()
+    if record["finish"] == "stop":
+        return text
+    return text[: max(text.rfind(end) for end in ".!?") + 1]
+
+
 def document_tasks(engine, prompts: list[dict], args, out: Path, deadline: float | None) -> list[dict]:
     """The document stream's passages (answered here, greedy, into responses.jsonl) and the tasks
     built on them once all exist; with --back-translations, prompts to translate the target's
@@ -97,7 +106,8 @@ def document_tasks(engine, prompts: list[dict], args, out: Path, deadline: float
     have.update(run_engine(engine, jobs, responses_path, "documents", deadline=deadline))
     tasks = []
     if all(f"{p['id']}:g" in have for p in documents):
-        texts = [have[f"{p['id']}:g"]["text"] for p in documents if have[f"{p['id']}:g"]["finish"] == "stop"]
+        texts = [whole_sentences(have[f"{p['id']}:g"]) for p in documents]
+        texts = [t for t in texts if len(t.split()) >= 20]
         tasks += passage_tasks(texts, args.seed, prefix="w", single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
     if args.back_translations:
         languages = {p["id"]: lang for p in prompts if p["kind"] == "translation"
