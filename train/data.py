@@ -22,6 +22,7 @@ import time
 import zlib
 from pathlib import Path
 
+from graphs.config import EngineConfig
 from train.decontam import filter_prompts
 from train.prompts import (DOC_SEVERAL, DOC_SINGLE, TRANSLATE_TO, back_translation_tasks, document_prompts, follow_up,
                            generate_prompts, passage_tasks)
@@ -129,6 +130,8 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--follow-up-frac", type=float, default=0.1, help="share of greedy answers given a 2nd turn")
     parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens,
+                        help="prompt tokens admitted per step (raise on a GPU for long document prompts)")
     parser.add_argument("--dtype", default="float32", help="engine dtype (labels are recomputed by the trainers, see --feature-dtype)")
     parser.add_argument("--kv-slots", type=int, default=16384, help="KV pool token slots (admission reserves max_tokens each)")
     parser.add_argument("--seed", type=int, default=0)
@@ -145,7 +148,6 @@ def main(argv=None) -> None:
 
     import torch
 
-    from graphs.config import EngineConfig
     from graphs.engine import build_graph
     from spec.sampling import SamplingParams
 
@@ -169,7 +171,8 @@ def main(argv=None) -> None:
     spec = dict(speculative_algorithm="EAGLE3", draft_model=args.draft_model, num_steps=args.num_steps) \
         if args.draft_model else {}
     engine = build_graph(EngineConfig(model=args.target, max_running_requests=args.max_running_requests,
-                                      kv_slots=args.kv_slots, dtype=args.dtype, num_threads=args.threads, **spec))
+                                      kv_slots=args.kv_slots, max_prefill_tokens=args.max_prefill_tokens,
+                                      dtype=args.dtype, num_threads=args.threads, **spec))
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rng = random.Random(args.seed)
 
