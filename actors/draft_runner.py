@@ -73,6 +73,22 @@ class NoDrafter(_ModelFreeDrafter):
         super().__init__(tree_size=1)
 
 
+def prompt_lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the history's longest
+    suffix of max_ngram down to min_ngram tokens (none when nothing matches)."""
+    for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+        suffix = history[-n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == suffix:
+                return history[start + n : start + n + k]
+    return []
+
+
+def _histories(meta: BatchMeta) -> list[list[int]]:
+    """(B,) prompt + output token lists (meta.history without its -1 padding)."""
+    return [[t for t in row if t >= 0] for row in meta.history.tolist()]
+
+
 class NgramDrafter(_ModelFreeDrafter):
     """Prompt lookup: find the latest earlier occurrence of the request's last n tokens
     (n from max_ngram down to min_ngram) and propose the tokens that followed it.
@@ -85,8 +101,7 @@ class NgramDrafter(_ModelFreeDrafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
-        histories = [[t for t in row if t >= 0] for row in meta.history.tolist()]
-        found = [self.lookup(h, self.tree_size - 1) for h in histories]
+        found = [prompt_lookup(h, self.tree_size - 1, self.max_ngram, self.min_ngram) for h in _histories(meta)]
         width = max(map(len, found), default=0)
         out = torch.zeros((draft_input.num_requests, width), dtype=torch.long)
         for b, (tokens, root) in enumerate(zip(found, draft_input.verified_id.tolist())):
@@ -95,15 +110,41 @@ class NgramDrafter(_ModelFreeDrafter):
             out[b] = torch.tensor(tokens + [tokens[-1]] * (width - len(tokens)))[:width]
         return out
 
-    def lookup(self, history: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest recent match of the history's suffix
-        (none when nothing matches)."""
-        for n in range(min(self.max_ngram, len(history) - 1), self.min_ngram - 1, -1):
-            suffix = history[-n:]
-            for start in range(len(history) - n - 1, -1, -1):
-                if history[start : start + n] == suffix:
-                    return history[start + n : start + n + k]
-        return []
+
+# A branch needs a match of at least this many tokens: one-token matches are nearly always
+# there, and would take tree nodes from the draft model at every step.
+NGRAM_BRANCH_MIN = 2
+
+
+def with_branches(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                  branches: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Force each request's prompt-lookup continuation into its tree as a path from the root.
+
+    scores/tokens/parents (B, P): a draft model's candidate pool (parents index the pool, -1 for
+    the root's children). A branch token that the pool already holds under the branch's previous
+    node is reused; the others become new pool entries (m = longest branch columns are added,
+    unused ones scored -1 so they are never kept). Branch nodes score 2 + m - depth, above any
+    path probability and decreasing along the branch, so select_tree keeps the branch first
+    (parents before children) and fills the rest of the tree with the model's best candidates."""
+    batch, pool = scores.shape
+    m = max(map(len, branches), default=0)
+    if m == 0:
+        return scores, tokens, parents
+    scores = torch.cat([scores, scores.new_full((batch, m), -1.0)], dim=1)  # (B, P + m)
+    tokens = torch.cat([tokens, tokens.new_zeros((batch, m))], dim=1)
+    parents = torch.cat([parents, parents.new_full((batch, m), -1)], dim=1)
+    for b, branch in enumerate(branches):
+        parent, free = -1, pool
+        for depth, token in enumerate(branch):
+            same = ((parents[b, :pool] == parent) & (tokens[b, :pool] == token)).nonzero().flatten()
+            if same.numel():
+                node = int(same[0])
+            else:
+                node, free = free, free + 1
+                tokens[b, node], parents[b, node] = token, parent
+            scores[b, node] = 2.0 + m - depth
+            parent = node
+    return scores, tokens, parents
 
 
 class DraftRunner:
@@ -123,8 +164,10 @@ class DraftRunner:
         dtype: str | torch.dtype = "float32",
         device: str = "auto",
         num_threads: int | None = None,
+        ngram_branch: int = 0,
     ):
         set_threads(num_threads)
+        self.ngram_branch = ngram_branch
         self.algorithm = SpecAlgorithm.from_name(algorithm)
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -168,7 +211,8 @@ class DraftRunner:
     @torch.inference_mode()
     def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
         """EAGLE-2 style dynamic tree: expand the `topk` best beams for `num_steps` levels,
-        then keep the `tree_size - 1` candidates with the highest path probability."""
+        then keep the `tree_size - 1` candidates with the highest path probability; with
+        `ngram_branch`, a prompt-lookup match is kept first (`with_branches`)."""
         batch, k = draft_input.num_requests, self.topk
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
@@ -222,19 +266,25 @@ class DraftRunner:
             if recurrent is not None:
                 rec = recurrent.cpu().view(batch, k, -1)
                 beam_hidden = rec.gather(1, parent_beam.unsqueeze(2).expand(-1, -1, rec.shape[2]))
-        return self._select_tree(draft_input.verified_id, seq_lens, torch.cat(pool_scores, 1),
-                                 torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1))
+        pool = torch.cat(pool_scores, 1), torch.cat(pool_tokens, 1), torch.cat(pool_parents, 1)
+        if self.ngram_branch:
+            branches = [prompt_lookup(h, self.ngram_branch, min_ngram=NGRAM_BRANCH_MIN) for h in _histories(meta)]
+            pool = with_branches(*pool, branches)
+        return select_tree(draft_input.verified_id, seq_lens, *pool, self.tree_size)
 
-    def _select_tree(self, root, seq_lens, scores, tokens, parents) -> VerifyInput:
-        """Keep the tree_size - 1 best candidates. A child's score never exceeds its parent's
-        and a stable sort breaks ties by pool order, so the kept set contains every kept
-        node's parent."""
-        batch = root.shape[0]
-        order = torch.sort(-scores, dim=1, stable=True).indices[:, : self.tree_size - 1]
-        kept = order.sort(dim=1).values  # (B, N-1) pool indices, parents first
-        node_of_pool = torch.zeros_like(scores, dtype=torch.long)
-        node_of_pool.scatter_(1, kept, torch.arange(1, self.tree_size).expand(batch, -1))
-        pool_parent = parents.gather(1, kept)
-        node_parent = torch.where(pool_parent >= 0, node_of_pool.gather(1, pool_parent.clamp_min(0)), 0)
-        tree_parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long), node_parent], dim=1)
-        return _verify_input(root, tokens.gather(1, kept), tree_parents, seq_lens)
+
+def select_tree(root: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
+                parents: torch.Tensor, tree_size: int) -> VerifyInput:
+    """Keep the tree_size - 1 best candidates of each request's pool (scores/tokens/parents
+    (B, P), parents as pool indices, -1 under the root). A child's score never exceeds its
+    parent's, a parent precedes its children in the pool, and a stable sort breaks ties by pool
+    order, so the kept set contains every kept node's parent."""
+    batch = root.shape[0]
+    order = torch.sort(-scores, dim=1, stable=True).indices[:, : tree_size - 1]
+    kept = order.sort(dim=1).values  # (B, N-1) pool indices, parents first
+    node_of_pool = torch.zeros_like(scores, dtype=torch.long)
+    node_of_pool.scatter_(1, kept, torch.arange(1, tree_size).expand(batch, -1))
+    pool_parent = parents.gather(1, kept)
+    node_parent = torch.where(pool_parent >= 0, node_of_pool.gather(1, pool_parent.clamp_min(0)), 0)
+    tree_parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long), node_parent], dim=1)
+    return _verify_input(root, tokens.gather(1, kept), tree_parents, seq_lens)

@@ -52,6 +52,7 @@ class SchedulerConfig:
     max_running_requests: int
     max_prefill_tokens: int
     max_model_len: int
+    needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
 
 
 class Scheduler:
@@ -224,7 +225,7 @@ class Scheduler:
         batch, n, s = len(requests), self.config.tree_size, self.config.scratch_size
         history = (
             self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
-            if self.config.algorithm is SpecAlgorithm.NGRAM else torch.zeros((batch, 0), dtype=torch.long)
+            if self.config.needs_history else torch.zeros((batch, 0), dtype=torch.long)
         )
         meta = BatchMeta(
             seq_lens=torch.tensor([r.seq_len for r in requests], dtype=torch.long),

@@ -1,7 +1,7 @@
 """Spec-Bench through the offline API: tokens/s, acceptance length and speedup per category.
 
     python -m bench.spec_bench [--questions ../shared/eval/spec_bench_question.jsonl]
-        [--per-category 2] [--max-tokens 128] [--configs none,ngram,eagle3,eagle3-tree,standalone]
+        [--per-category 2] [--max-tokens 128] [--configs none,ngram,eagle3,eagle3-tree,eagle3-tree-ngram,standalone]
         [--draft-eagle3 PATH] [--draft-standalone PATH] [--batch-size 1]
         [--out bench/results/spec_bench.json] [--plot] [--no-hf]
 
@@ -51,7 +51,7 @@ from models.registry import DEFAULT_MODEL
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "eval" / "spec_bench_question.jsonl"
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "spec_bench.json"
-ENGINE_CONFIGS = ("none", "ngram", "eagle3", "eagle3-tree", "standalone")
+ENGINE_CONFIGS = ("none", "ngram", "eagle3", "eagle3-tree", "eagle3-tree-ngram", "standalone")
 REFERENCE = "none"
 
 
@@ -95,6 +95,9 @@ def engine_config(name: str, args) -> EngineConfig | None:
     if name == "eagle3-tree":
         return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
                             eagle_topk=4, num_draft_tokens=8, **common) if args.draft_eagle3 else None
+    if name == "eagle3-tree-ngram":  # the tree with a prompt-lookup branch of up to 5 tokens
+        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
+                            eagle_topk=4, num_draft_tokens=8, ngram_branch=5, **common) if args.draft_eagle3 else None
     if name == "standalone":
         return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
                             num_steps=args.standalone_steps, **common) if args.draft_standalone else None

@@ -21,6 +21,7 @@ class EngineConfig:
     num_steps: int = 3  # draft depth
     eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting
     num_draft_tokens: int = 4  # tree nodes verified per step, root included (chains use num_steps + 1)
+    ngram_branch: int = 0  # tree drafting: up to this many prompt-lookup tokens forced into each tree
     dp_size: int = 1
     backend: str = "local"
     dtype: str = "float32"  # or "auto": bf16 where the hardware runs it natively (actors.device.auto_dtype)
@@ -63,6 +64,13 @@ class EngineConfig:
                     f"num_draft_tokens must be in [2, {most}] for num_steps={self.num_steps}, "
                     f"eagle_topk={self.eagle_topk}, got {self.num_draft_tokens}"
                 )
+        if not isinstance(self.ngram_branch, int) or isinstance(self.ngram_branch, bool) or self.ngram_branch < 0:
+            raise ValueError(f"ngram_branch must be a non-negative integer, got {self.ngram_branch!r}")
+        if self.ngram_branch and (not self.algorithm.needs_draft_model or self.eagle_topk == 1):
+            raise ValueError("ngram_branch: a prompt-lookup branch joins a draft model's tree (eagle_topk > 1)")
+        if self.ngram_branch >= self.num_draft_tokens:
+            raise ValueError(f"ngram_branch must be below num_draft_tokens ({self.num_draft_tokens}), "
+                             f"got {self.ngram_branch}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

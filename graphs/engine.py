@@ -47,7 +47,7 @@ def make_drafter(config: EngineConfig, **runner_kwargs):
     if config.algorithm is SpecAlgorithm.NGRAM:
         return NgramDrafter(config.num_steps)
     return DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
-                       config.eagle_topk, config.tree_size, **runner_kwargs)
+                       config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch, **runner_kwargs)
 
 
 def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSource | None) -> SchedulerConfig:
@@ -63,6 +63,7 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         max_running_requests=config.max_running_requests,
         max_prefill_tokens=config.max_prefill_tokens,
         max_model_len=min(context, config.max_model_len or context),
+        needs_history=config.algorithm is SpecAlgorithm.NGRAM or config.ngram_branch > 0,
     )
 
 

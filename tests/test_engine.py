@@ -127,12 +127,19 @@ def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_d
 
 @pytest.mark.parametrize("field,value", [("num_steps", 0), ("eagle_topk", -1), ("num_draft_tokens", 99),
                                          ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0),
-                                         ("dtype", "float8")])
+                                         ("dtype", "float8"), ("ngram_branch", -1), ("ngram_branch", 6)])
 def test_engine_config_validation_names_the_field(tiny_target, field, value):
     kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
               "num_draft_tokens": 6, field: value}
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
+
+
+def test_ngram_branch_needs_a_draft_model_tree(tiny_target):
+    with pytest.raises(ValueError, match="ngram_branch"):
+        EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3", draft_model="x", ngram_branch=2)
+    with pytest.raises(ValueError, match="ngram_branch"):
+        EngineConfig(model=str(tiny_target), speculative_algorithm="NGRAM", ngram_branch=2)
 
 
 def test_auto_dtype_is_resolved_once_for_every_runner(tiny_target):
@@ -152,10 +159,26 @@ def test_auto_dtype_is_resolved_once_for_every_runner(tiny_target):
         engine.shutdown()
 
 
-def test_ngram_lookup_proposes_only_what_matched():
-    from actors.draft_runner import NgramDrafter
+def test_ngram_branch_is_kept_first_and_reuses_the_draft_tree():
+    from actors.draft_runner import select_tree, with_branches
 
-    drafter = NgramDrafter(num_steps=4)
-    assert drafter.lookup([1, 2, 3, 4], 4) == []  # no match: the step is a plain decode
-    assert drafter.lookup([5, 6, 7, 8, 9, 5, 6], 4) == [7, 8, 9, 5]  # the longest suffix match wins
-    assert drafter.lookup([1, 9, 2, 9], 4) == [2, 9]
+    # One pool per request: root children 10 (p 0.6) and 11 (0.3); under 10, 12 (0.5) and 13 (0.1).
+    scores = torch.tensor([[0.6, 0.3, 0.5, 0.1]] * 2)
+    tokens = torch.tensor([[10, 11, 12, 13]] * 2)
+    parents = torch.tensor([[-1, -1, 0, 0]] * 2)
+    pool = with_branches(scores, tokens, parents, [[10, 13, 14], []])
+    tree = select_tree(torch.tensor([5, 5]), torch.tensor([7, 7]), *pool, tree_size=4)
+    # Request 0's branch 10 -> 13 -> 14 takes the tree: 10 and 13 are the pool's own nodes, 14 is new.
+    assert tree.draft_tokens[0].tolist() == [5, 10, 13, 14] and tree.parents[0].tolist() == [-1, 0, 1, 2]
+    # Request 1 matched nothing: the model's three best candidates, as without a branch.
+    assert tree.draft_tokens[1].tolist() == [5, 10, 11, 12] and tree.parents[1].tolist() == [-1, 0, 0, 1]
+    assert tree.positions[0].tolist() == [7, 8, 9, 10]
+
+
+def test_ngram_lookup_proposes_only_what_matched():
+    from actors.draft_runner import prompt_lookup
+
+    assert prompt_lookup([1, 2, 3, 4], 4) == []  # no match: the step is a plain decode
+    assert prompt_lookup([5, 6, 7, 8, 9, 5, 6], 4) == [7, 8, 9, 5]  # the longest suffix match wins
+    assert prompt_lookup([1, 9, 2, 9], 4) == [2, 9]
+    assert prompt_lookup([1, 9, 2, 9], 4, min_ngram=2) == []  # only a one-token match there

@@ -65,6 +65,15 @@ def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm
     assert engine.scheduler.reserved == 0
 
 
+@pytest.mark.parametrize("algorithm,draft,topk,n,branch",
+                         [("EAGLE3", "tiny_eagle3_shared", 4, 8, 3), ("STANDALONE", "tiny_standalone", 2, 6, 5)])
+def test_ngram_branch_stays_lossless(request, tiny_target, reference, algorithm, draft, topk, n, branch):
+    engine = _engine(tiny_target, algorithm, request.getfixturevalue(draft), topk, n, 3, ngram_branch=branch)
+    free_before = engine.scheduler.num_free_slots
+    assert [o.token_ids for o in _run_all(engine)] == reference
+    assert engine.scheduler.num_free_slots == free_before
+
+
 def test_full_acceptance_when_draft_is_target(tiny_target, reference):
     engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
     outs = _run_all(engine)

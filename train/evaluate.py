@@ -25,7 +25,7 @@ def load_prompts(path: str | Path, n: int) -> list[list[dict]]:
 def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_path, n: int = 40,
                        max_tokens: int = 128, num_steps: int = 3, topk: int = 1, num_draft_tokens: int = 4,
                        max_running_requests: int = 32, threads: int | None = 1, dtype: str = "float32",
-                       check_against: list[list[int]] | None = None) -> dict:
+                       check_against: list[list[int]] | None = None, ngram_branch: int = 0) -> dict:
     import torch
 
     from graphs.config import EngineConfig
@@ -37,6 +37,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
     conversations = load_prompts(prompts_path, n)
     engine = build_graph(EngineConfig(model=target, speculative_algorithm=algorithm, draft_model=draft,
                                       num_steps=num_steps, eagle_topk=topk, num_draft_tokens=num_draft_tokens,
+                                      ngram_branch=ngram_branch,
                                       max_running_requests=max_running_requests, num_threads=threads,
                                       dtype=dtype))
     start = time.time()
@@ -73,10 +74,12 @@ def main(argv=None) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--ngram-branch", type=int, default=0, help="prompt-lookup tokens forced into each tree (--topk > 1)")
     args = p.parse_args(argv)
-    print(json.dumps(measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
-                                        args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads,
-                                        dtype=args.dtype)))
+    result = measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
+                                args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads,
+                                dtype=args.dtype, ngram_branch=args.ngram_branch)
+    print(json.dumps({**result, "ngram_branch": args.ngram_branch} if args.ngram_branch else result))
 
 
 if __name__ == "__main__":
