@@ -51,13 +51,11 @@ log = logging.getLogger("serve_app")
 
 DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 # What the server speculates with unless told otherwise (README, bench/results/spec_bench.json):
-# the default model with its shipped EAGLE-3 head drafting a tree (Spec-Bench, bf16, batch 1:
-# 1.52x over no speculation, tied with NGRAM's 1.53x overall, more accepted than NGRAM in 9 of 13
-# categories; NGRAM stays faster where answers copy the prompt), any other model with prompt
-# lookup (NGRAM), which needs no draft.
-# Keys the user gave win over these.
+# the default model with its shipped EAGLE-3 head drafting a tree that also carries a prompt-lookup
+# branch (the fastest config on Spec-Bench, bf16, batch 1), any other model with prompt lookup
+# (NGRAM), which needs no draft. Keys the user gave win over these.
 DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
-                       "eagle_topk": 4, "num_draft_tokens": 8}
+                       "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5}
 FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
 ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
@@ -155,7 +153,11 @@ def apply_spec_defaults(engine: dict) -> dict:
     algorithm, draft = engine.get("speculative_algorithm"), engine.get("draft_model")
     if algorithm is None and draft is None:
         default = DEFAULT_SPECULATION if model == DEFAULT_MODEL and default_draft_available() else FALLBACK_SPECULATION
+        given = {k for k, v in engine.items() if v is not None}
         engine.update({k: v for k, v in default.items() if engine.get(k) is None})
+        if "ngram_branch" not in given and (engine.get("eagle_topk") == 1
+                                            or engine.get("ngram_branch", 0) >= engine.get("num_draft_tokens", 0)):
+            engine.pop("ngram_branch", None)  # the default branch fits the default tree, not one the user shaped
     elif (draft is None and model == DEFAULT_MODEL and SpecAlgorithm.from_name(algorithm) is SpecAlgorithm.EAGLE3
           and default_draft_available()):
         engine["draft_model"] = DEFAULT_EAGLE3_DRAFT
@@ -944,6 +946,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-steps", type=int, default=None)
     p.add_argument("--eagle-topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--ngram-branch", type=int, default=None, help="prompt-lookup tokens forced into each draft tree")
     p.add_argument("--dp-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
