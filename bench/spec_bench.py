@@ -92,12 +92,10 @@ def engine_config(name: str, args) -> EngineConfig | None:
     if name == "eagle3":
         return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
                             **common) if args.draft_eagle3 else None
-    if name == "eagle3-tree":
-        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
-                            eagle_topk=4, num_draft_tokens=8, **common) if args.draft_eagle3 else None
-    if name == "eagle3-tree-ngram":  # the tree with a prompt-lookup branch of up to 5 tokens
-        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
-                            eagle_topk=4, num_draft_tokens=8, ngram_branch=5, **common) if args.draft_eagle3 else None
+    if name in ("eagle3-tree", "eagle3-tree-ngram"):  # -ngram: with a prompt-lookup branch of up to 5 tokens
+        branch = 5 if name == "eagle3-tree-ngram" else 0
+        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3, eagle_topk=4,
+                            num_draft_tokens=8, ngram_branch=branch, **common) if args.draft_eagle3 else None
     if name == "standalone":
         return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
                             num_steps=args.standalone_steps, **common) if args.draft_standalone else None

@@ -416,7 +416,7 @@ def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path)
     args = types.SimpleNamespace(documents=8, seed=0, max_tokens=6, back_translations=True)
     engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
     try:
-        tasks = document_tasks(engine, [translation], args, tmp_path, None)
+        tasks = document_tasks(engine, [translation], args, path, {r["key"]: r for r in read_jsonl(path)}, None)
     finally:
         engine.shutdown()
     answered = read_jsonl(path)[len(records):]

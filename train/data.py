@@ -93,14 +93,14 @@ def whole_sentences(record: dict) -> str:
     return text[: max(text.rfind(end) for end in ".!?") + 1]
 
 
-def document_tasks(engine, prompts: list[dict], args, out: Path, deadline: float | None) -> list[dict]:
-    """The document stream's passages (answered here, greedy, into responses.jsonl) and the tasks
-    built on them once all exist; with --back-translations, prompts to translate the target's
-    finished greedy translations back into English."""
+def document_tasks(engine, prompts: list[dict], args, responses_path: Path, have: dict[str, dict],
+                   deadline: float | None) -> list[dict]:
+    """The document stream's passages (answered here, greedy, into responses_path and `have`, the
+    records already there by key) and the tasks built on them once all exist; with
+    --back-translations, prompts to translate the target's finished greedy translations back
+    into English."""
     from spec.sampling import SamplingParams
 
-    responses_path = out / "responses.jsonl"
-    have = {r["key"]: r for r in read_jsonl(responses_path)}
     documents, _ = filter_prompts(document_prompts(args.documents, args.seed))
     jobs = [(f"{p['id']}:g", p, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             for p in documents if f"{p['id']}:g" not in have]
@@ -155,7 +155,7 @@ def main(argv=None) -> None:
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     responses_path = out / "responses.jsonl"
-    done = {r["key"] for r in read_jsonl(responses_path)}
+    answered = {r["key"]: r for r in read_jsonl(responses_path)}
     start = time.time()
     deadline = start + args.max_minutes * 60 if args.max_minutes else None
 
@@ -186,14 +186,14 @@ def main(argv=None) -> None:
     complete = all(p["id"] in have for p in passage_prompts)
     texts = [have[p["id"]]["text"] for p in passage_prompts if have[p["id"]]["finish"] == "stop"] if complete else []
     derived, dropped = filter_prompts(passage_tasks(texts, args.seed))
-    all_prompts = prompts + derived + document_tasks(engine, prompts, args, out, deadline)
+    all_prompts = prompts + derived + document_tasks(engine, prompts, args, responses_path, answered, deadline)
 
     # Stage 2: greedy answers for every prompt, sampled answers for a share of them.
     jobs = []
     for p in all_prompts:
-        if f"{p['id']}:g" not in done:
+        if f"{p['id']}:g" not in answered:
             jobs.append((f"{p['id']}:g", p, greedy))
-        if rng.random() < args.sample_frac and f"{p['id']}:s" not in done:
+        if rng.random() < args.sample_frac and f"{p['id']}:s" not in answered:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
             jobs.append((f"{p['id']}:s", p, params))
     # Shuffled (outputs do not depend on order) so a run stopped early has covered every kind of

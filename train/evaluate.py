@@ -55,6 +55,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
         "acceptance_length": round(tokens / max(1, steps), 3),
         "decode_acceptance": round(1 + sum(accepts) / max(1, len(accepts)), 3),
         "seconds": round(seconds, 1),
+        **({"ngram_branch": ngram_branch} if ngram_branch else {}),
     }
     if check_against is not None:
         result["matches_reference"] = [o.token_ids for o in outs] == check_against
@@ -76,10 +77,9 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ngram-branch", type=int, default=0, help="prompt-lookup tokens forced into each tree (--topk > 1)")
     args = p.parse_args(argv)
-    result = measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
-                                args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads,
-                                dtype=args.dtype, ngram_branch=args.ngram_branch)
-    print(json.dumps({**result, "ngram_branch": args.ngram_branch} if args.ngram_branch else result))
+    print(json.dumps(measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
+                                        args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads,
+                                        dtype=args.dtype, ngram_branch=args.ngram_branch)))
 
 
 if __name__ == "__main__":
