@@ -94,8 +94,8 @@ def engine_config(name: str, args) -> EngineConfig | None:
                             **common) if args.draft_eagle3 else None
     if name in ("eagle3-tree", "eagle3-tree-ngram"):  # -ngram: with a prompt-lookup branch of up to 5 tokens
         branch = 5 if name == "eagle3-tree-ngram" else 0
-        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3, eagle_topk=4,
-                            num_draft_tokens=8, ngram_branch=branch, **common) if args.draft_eagle3 else None
+        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=args.tree_steps,
+                            eagle_topk=4, num_draft_tokens=8, ngram_branch=branch, **common) if args.draft_eagle3 else None
     if name == "standalone":
         return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
                             num_steps=args.standalone_steps, **common) if args.draft_standalone else None
@@ -330,6 +330,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-standalone", default=None, help="small LM for standalone and hf-assisted")
     p.add_argument("--ngram-steps", type=int, default=4, help="NGRAM draft length (also HF prompt_lookup_num_tokens)")
     p.add_argument("--standalone-steps", type=int, default=4, help="standalone draft length")
+    p.add_argument("--tree-steps", type=int, default=5,
+                   help="draft depth of eagle3-tree(-ngram), whose 8 tokens can then reach past depth 3 "
+                        "(5 was chosen on our own held-out prompts: train.evaluate --num-steps)")
     p.add_argument("--batch-size", type=int, default=1, help="requests submitted together (within a category)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -340,7 +343,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sequential", action="store_true",
                    help="load and measure one config at a time (less memory) instead of interleaving them")
     args = p.parse_args(argv)
-    for name in ("per_category", "max_tokens", "batch_size", "ngram_steps", "standalone_steps"):
+    for name in ("per_category", "max_tokens", "batch_size", "ngram_steps", "standalone_steps", "tree_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -420,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict:
             "draft_eagle3": args.draft_eagle3,
             "draft_standalone": args.draft_standalone,
             "ngram_steps": args.ngram_steps,
+            "tree_steps": args.tree_steps,
+            "standalone_steps": args.standalone_steps,
             "reference": REFERENCE,
             "hf_configs": hf_configs,
             "skipped": skipped,
