@@ -51,11 +51,10 @@ log = logging.getLogger("serve_app")
 
 DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 # What the server speculates with unless told otherwise (README, bench/results/spec_bench.json):
-# the default model with its shipped EAGLE-3 head drafting a tree five steps deep that also carries a
-# prompt-lookup branch (the fastest config on Spec-Bench, bf16, batch 1; the depth lets the tree's 8
-# tokens follow a confident path past depth 3, chosen on our held-out prompts), any other model with prompt lookup
+# the default model with its shipped EAGLE-3 head drafting a tree that also carries a prompt-lookup
+# branch (the fastest config on Spec-Bench, bf16, batch 1), any other model with prompt lookup
 # (NGRAM), which needs no draft. Keys the user gave win over these.
-DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 5,
+DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
                        "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5}
 FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
 ENGINE_DEPLOYMENT = "SpecEngine"

@@ -84,7 +84,7 @@ def test_app_args_and_deployment_options(tiny_target):
     assert default["model"] == serve_app.DEFAULT_MODEL
     assert (default["speculative_algorithm"], default["draft_model"]) == ("EAGLE3", serve_app.DEFAULT_EAGLE3_DRAFT)
     assert (default["num_steps"], default["eagle_topk"], default["num_draft_tokens"], default["ngram_branch"]) \
-        == (5, 4, 8, 5)
+        == (3, 4, 8, 5)
     assert split_args({"eagle_topk": 2})[0]["eagle_topk"] == 2  # what the user gave wins
     # A chain or a smaller tree the user asks for does not get the default tree's branch.
     assert "ngram_branch" not in split_args({"eagle_topk": 1})[0]

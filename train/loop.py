@@ -158,6 +158,10 @@ def train_loop(cfg: dict) -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optim.step()
         step += 1
+        # Every 8th step: a 2048-token CPU run then held 5.2 GB at step 96 instead of 9.4 GB, at the
+        # same 1.65 s/step; trimming after every step cost ~15% in page faults.
+        if device.type == "cpu" and step % 8 == 0:
+            common.trim_heap()
         if deadline and step == fit_from:
             fit_start = time.time()
         if deadline and step == fit_at:
