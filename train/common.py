@@ -315,7 +315,7 @@ def trim_heap() -> None:
     """Hand the pages glibc's heap holds free back to the OS (a no-op without glibc). Batches come
     in many (B, T) shapes, so a CPU step's freed activations leave the heap fragmented and the
     resident memory of a run grew by ~50 MB per step (a `--max-len 2048` run passed 14 GB and Ray's
-    OOM monitor killed a two-worker one); trimming after each step keeps it near its working set."""
+    OOM monitor killed a two-worker one); the training loop trims every few steps (train/loop.py)."""
     global _LIBC
     if _LIBC is None:
         import ctypes
