@@ -5,6 +5,7 @@ batching, logs, plots, model cards."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -308,7 +309,18 @@ def soft_targets(topk_ids: torch.Tensor, topk_logits: torch.Tensor, t2d_index: t
     return out.scatter_add_(-1, draft_ids.clamp_min(0), probs * (draft_ids >= 0))
 
 
-_LIBC = None  # ctypes handle on the C library once trim_heap has looked (False: none to call)
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once; None where the C library has none."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return trim
 
 
 def trim_heap() -> None:
@@ -316,18 +328,9 @@ def trim_heap() -> None:
     in many (B, T) shapes, so a CPU step's freed activations leave the heap fragmented and the
     resident memory of a run grew by ~50 MB per step (a `--max-len 2048` run passed 14 GB and Ray's
     OOM monitor killed a two-worker one); the training loop trims every few steps (train/loop.py)."""
-    global _LIBC
-    if _LIBC is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def steps_in_budget(total: int, step: int, per_step_s: float, remaining_s: float, margin: float = 0.9) -> int:
