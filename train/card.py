@@ -42,6 +42,8 @@ def write_card(out: Path, state: Path, kind: str, target: str, args: dict) -> No
             "threads", "hidden", "layers", "temperature", "max_len", "topk", "amp", "feature_dtype", "use_gpu",
             "online_features", "no_ray", "max_minutes"]
     flags = {k: args[k] for k in keep if k in args and args[k] not in (None, "", 0)}
+    if flags.get("no_ray"):
+        flags.pop("num_workers", None)  # --no-ray trains in this one process; the worker count is unused
     lines += ["", f"Arguments: `{json.dumps(flags)}`", "", "![loss](loss.png)", ""]
     acc = summary.get("acceptance")
     lines += ["## Acceptance (our engine, greedy, held-out self-generated prompts)", ""]
