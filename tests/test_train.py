@@ -468,7 +468,8 @@ def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Pa
     warm = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert len(warm) == 2 and sum(warm) / 2 < 0.95 * sum(fresh) / 5
     assert json.loads((work / "data_info.json").read_text())["init_from"] == str(src)
-    assert '"no_ray": true' in (out / "README.md").read_text() and "num_workers" not in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert '"no_ray": true' in card and "num_workers" not in card
 
 
 def test_standalone_trainer_end_to_end(tiny):
