@@ -19,9 +19,12 @@ from models.layers import MLP, Attention
 
 
 def _ops_available() -> bool:
+    """oneDNN's bf16 linear runs only on CPUs with AVX512 (BW, VL, DQ), AVX-NE-CONVERT or AMX;
+    elsewhere (an AVX2-only CPU) the reorder raises, so bf16 stays on plain `F.linear`."""
     mkldnn = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and all(
-        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+    return (torch.backends.mkldnn.is_available()
+            and all(hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"))
+            and mkldnn._is_mkldnn_bf16_supported())
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:

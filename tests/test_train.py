@@ -461,7 +461,7 @@ def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Pa
 
     out, work = root / "out", root / "work"
     main(base + ["--out", str(out), "--work-dir", str(work), "--init-from", str(src), "--lr", "0", "--max-steps", "2",
-                 "--no-ray", "--save-every", "1"])
+                 "--no-ray", "--save-every", "1", "--name", "tiny-warm-draft"])
     before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     fresh = [r["loss"] for r in common.read_log(src_work / "log.jsonl") if r["kind"] == "train"][:5]
@@ -470,6 +470,7 @@ def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Pa
     assert json.loads((work / "data_info.json").read_text())["init_from"] == str(src)
     card = (out / "README.md").read_text()
     assert '"no_ray": true' in card and "num_workers" not in card
+    assert card.startswith("# tiny-warm-draft\n")  # --name titles the card, not the scratch folder "out"
 
 
 def test_standalone_trainer_end_to_end(tiny):

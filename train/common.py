@@ -474,6 +474,7 @@ def add_training_args(p, lr: float) -> None:
     """The command-line options every draft trainer shares (data, schedule, workers, resume, eval)."""
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--out", required=True)
+    p.add_argument("--name", default="", help="the draft's name, the model card's title (default: the --out folder's name)")
     p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"))
     p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
     p.add_argument("--max-sequences", type=int, default=0)
