@@ -1,15 +1,22 @@
-"""Prepacked bf16 linear layers for CPU inference.
+"""Prepacked linear layers for CPU inference (fp32 and bf16).
 
 `F.linear` on bf16 CPU tensors hands oneDNN a plain row-major weight, which oneDNN reorders
 into its blocked layout on every call: at decode sizes (1-8 rows) that reorder costs about as
 much as the product itself. Reordering once at load time, with q/k/v and gate/up stacked into
-one weight each (fewer, larger products), took SmolLM2-135M bf16 decode on this 2-core CPU from
-28.2 to 38.0 tokens/s at batch 1 and from 179 to 246 at batch 8, and an 8-token verify from
-38.5 to 28.5 ms (`python -m bench.runner --dtype bfloat16,float32`, run twice at the commits
-before and after, back to back). Only the runners pack their models: packed weights serve
-forward passes, not training or `state_dict()`.
-"""
+one weight each (fewer, larger products), took SmolLM2-135M bf16 decode on an AVX512-BF16 2-core
+CPU from 28.2 to 38.0 tokens/s at batch 1 and from 179 to 246 at batch 8, and an 8-token verify
+from 38.5 to 28.5 ms (`python -m bench.runner --dtype bfloat16,float32`, run twice at the commits
+before and after, back to back).
 
+fp32 `F.linear` goes to MKL, whose products with 4-8 rows (a verify) cost nearly twice one row
+and whose 49152-row LM head is slow even at one row. oneDNN's blocked fp32 product reads the
+weights once for up to 8 rows: on an AVX2-only 2-core CPU (AMD EPYC) packing took fp32 decode
+from 15.4 to 20.4 tokens/s at batch 1 and from 55 to 102 at batch 8, and a 4-token verify from
+118 to 59 ms (1.85x -> 1.24x one token; the same command, back to back).
+
+Only the runners pack their models: packed weights serve forward passes, not training or
+`state_dict()`.
+"""
 from __future__ import annotations
 
 import torch
@@ -19,17 +26,20 @@ from models.layers import MLP, Attention
 
 
 def _ops_available() -> bool:
-    """oneDNN's bf16 linear runs only on CPUs with AVX512 (BW, VL, DQ), AVX-NE-CONVERT or AMX;
-    elsewhere (an AVX2-only CPU) the reorder raises, so bf16 stays on plain `F.linear`."""
     mkldnn = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available()
-            and all(hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"))
-            and mkldnn._is_mkldnn_bf16_supported())
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"))
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """bf16 on CPU with oneDNN; fp32 stays on MKL, whose gemv is already fast, and CUDA on cuBLAS."""
-    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and _ops_available()
+    """CPU with oneDNN: fp32 always, bf16 where oneDNN runs it (AVX512 BW/VL/DQ, AVX-NE-CONVERT or
+    AMX; on an AVX2-only CPU its bf16 reorder raises, so bf16 stays on plain `F.linear`). CUDA
+    stays on cuBLAS."""
+    if torch.device(device).type != "cpu" or not _ops_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):

@@ -30,7 +30,9 @@ from spec import BatchMeta, DraftExtendInput, ShapeContractError, SpecAlgorithm,
 from spec.tree import ancestor_mask, depths
 
 FP32 = torch.float32
-needs_packing = pytest.mark.skipif(not can_pack(torch.bfloat16, "cpu"), reason="oneDNN bf16 linear ops unavailable")
+# Dtypes the runners pack on this CPU (fp32 wherever oneDNN is; bf16 where it runs natively).
+PACKED_DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_pack(d, "cpu")]
+needs_packing = pytest.mark.skipif(not PACKED_DTYPES, reason="oneDNN linear ops unavailable")
 ATOL = 1e-4  # fp32 logits, ours vs transformers
 NUM_SLOTS = 256
 GARBAGE = 1e3  # magnitude of the values that fill slots a request must never read
@@ -652,9 +654,9 @@ def test_target_runner_constructs_and_runs_idle(tiny_target, restore_threads, dt
     assert torch.get_num_threads() == 1
     assert runner.device == torch.device("cpu")
     assert {p.dtype for p in runner.model.parameters()} == {expected}
-    # Serving packs bf16 linears on CPU (models/packed.py); fp32 keeps plain nn.Linear.
+    # Serving packs linears on CPU where oneDNN runs the dtype (models/packed.py).
     packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
-    assert packed == (dtype == "bfloat16" and can_pack(torch.bfloat16, "cpu"))
+    assert packed == can_pack(expected, "cpu")
     assert runner.kv.k[0].dtype == expected and runner.kv.num_slots == 32
     out = runner.forward_step(BatchMeta.create_idle(), VerifyInput.create_idle(1))
     assert isinstance(out, DraftExtendInput) and out.num_requests == 0
@@ -747,21 +749,22 @@ def test_draft_runner_constructs_and_checks_hidden_width(tiny_target, tiny_eagle
 
 
 @needs_packing
-def test_bf16_draft_runner_packs_its_head_and_proposes_a_tree(tiny_target, tiny_eagle3_own, restore_threads):
-    """The EAGLE-3 head served in bf16 runs on packed, fused linears (its q/k/v read 2H-wide
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_draft_runner_packs_its_head_and_proposes_a_tree(tiny_target, tiny_eagle3_own, restore_threads, dtype):
+    """The EAGLE-3 head served on CPU runs on packed, fused linears (its q/k/v read 2H-wide
     rows) and still proposes a well-formed tree over its committed tokens."""
     from dataclasses import replace
 
     from actors.draft_runner import DraftRunner
 
     runner = DraftRunner("eagle3", str(tiny_eagle3_own), str(tiny_target), num_steps=3, topk=2, tree_size=5,
-                         num_slots=64, dtype="bfloat16", device="cpu", num_threads=1)
+                         num_slots=64, dtype=str(dtype).removeprefix("torch."), device="cpu", num_threads=1)
     assert runner.model.midlayer.self_attn.qkv_proj is not None
     assert isinstance(runner.model.lm_head, PackedLinear) and isinstance(runner.model.fc, PackedLinear)
     n = 4
     ext = DraftExtendInput(
         tokens=torch.arange(n), next_tokens=torch.arange(1, n + 1), positions=torch.arange(n),
-        slots=torch.arange(1, n + 1), hidden_states=torch.randn(n, 192).bfloat16(), extend_lens=torch.tensor([n]),
+        slots=torch.arange(1, n + 1), hidden_states=torch.randn(n, 192, dtype=dtype), extend_lens=torch.tensor([n]),
         accept_lens=torch.tensor([0]),
     )
     draft_input = runner.extend(_meta([0], torch.zeros(1, 0, dtype=torch.long)), ext)
@@ -827,45 +830,51 @@ def test_smollm2_aux_hidden_states(smol):
     _check_aux(p, [prefill_req([smol.prompt[3]], slots, prefix=first)], kv, atol=SMOL_ATOL)
 
 
-# --------------------------------------------------------------------------- prepacked bf16 linears
+# --------------------------------------------------------------------------- prepacked linears
+
+# Packed against plain, per dtype: fp32 products differ only in summation order; bf16 ones both
+# accumulate in fp32 and may differ in the final rounding to bf16 (8 bits of mantissa).
+PACK_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 
 @needs_packing
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [0, 1, 8])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(rows, bias):
+def test_packed_linear_matches_linear(rows, bias, dtype):
     torch.manual_seed(rows)
-    linear = torch.nn.Linear(48, 40, bias=bias, dtype=torch.bfloat16)
-    x = torch.randn(rows, 48, dtype=torch.bfloat16)
+    linear = torch.nn.Linear(48, 40, bias=bias, dtype=dtype)
+    x = torch.randn(rows, 48, dtype=dtype)
     with torch.no_grad():
         expected = torch.nn.functional.linear(x.float(), linear.weight.float(),
                                               None if linear.bias is None else linear.bias.float())
         got = PackedLinear(linear)(x)
-    assert got.shape == (rows, 40) and got.dtype == torch.bfloat16
-    # Both accumulate in fp32; only the final rounding to bf16 (8 bits of mantissa) may differ.
-    torch.testing.assert_close(got.float(), expected, rtol=2**-7, atol=2**-7)
+    assert got.shape == (rows, 40) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=PACK_TOL[dtype], atol=PACK_TOL[dtype])
 
 
 @needs_packing
-def test_packed_target_matches_unpacked(pair):
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+def test_packed_target_matches_unpacked(pair, dtype):
     """On every config (biases, untied heads, MQA, Qwen2): packing fuses q/k/v and gate/up, swaps
-    every linear layer (a tied LM head included) and changes logits only by bf16 rounding; the
+    every linear layer (a tied LM head included) and changes logits only by rounding; the
     embeddings a tied LM head shares stay usable."""
     source = ModelSource.resolve(pair.folder)
-    plain = build_target(source, torch.bfloat16, "cpu")
-    packed = build_target(source, torch.bfloat16, "cpu")
+    plain = build_target(source, dtype, "cpu")
+    packed = build_target(source, dtype, "cpu")
     # Per layer: qkv, o, gate_up, down; then the LM head.
-    assert pack_linears(packed, torch.bfloat16, "cpu") == 4 * packed.shape.num_layers + 1
+    assert pack_linears(packed, dtype, "cpu") == 4 * packed.shape.num_layers + 1
     assert not any(isinstance(m, torch.nn.Linear) for m in packed.modules())
     slots = Slots(11)
     reqs = [prefill_req(rand_tokens(9, 1), slots), prefill_req(rand_tokens(5, 2), slots)]
-    results = [ours_forward(m, m.make_kv_pool(NUM_SLOTS, torch.bfloat16, "cpu"), reqs)[0] for m in (plain, packed)]
+    results = [ours_forward(m, m.make_kv_pool(NUM_SLOTS, dtype, "cpu"), reqs)[0] for m in (plain, packed)]
+    tol = ATOL if dtype == FP32 else 0.05
     for a, b in zip(*results):
-        assert_close(b.float(), a.float(), atol=0.05 * max(1.0, a.abs().max().item()), what="packed vs plain logits")
+        assert_close(b.float(), a.float(), atol=tol * max(1.0, a.abs().max().item()), what="packed vs plain logits")
 
 
-def test_fp32_models_are_not_packed(tiny_target):
-    model = build_target(ModelSource.resolve(tiny_target), FP32, "cpu")
-    assert not can_pack(FP32, "cpu") and not can_pack(torch.bfloat16, "cuda")
-    assert pack_linears(model, FP32, "cpu") == 0
+def test_cuda_and_unknown_dtypes_are_not_packed(tiny_target):
+    model = build_target(ModelSource.resolve(tiny_target), torch.float16, "cpu")
+    assert not can_pack(FP32, "cuda") and not can_pack(torch.bfloat16, "cuda") and not can_pack(torch.float16, "cpu")
+    assert pack_linears(model, torch.float16, "cpu") == 0
     assert isinstance(model.lm_head, torch.nn.Linear)
