@@ -15,8 +15,9 @@ def check_dtype_name(name: str | torch.dtype) -> None:
 
 def auto_dtype(device: torch.device) -> torch.dtype:
     """The fastest dtype the hardware runs natively: bf16 on CUDA (fp16 before Ampere) and on
-    CPUs with AMX or AVX512-BF16 (where verifying 8 tokens costs ~1.1x one, against ~2x in
-    fp32: `python -m bench.runner --dtype float32,bfloat16`); fp32 elsewhere."""
+    CPUs with AMX or AVX512-BF16 (where verifying 8 tokens costs ~1.1x one, against ~1.5-2x in
+    fp32: `python -m bench.runner --dtype float32,bfloat16`); fp32 elsewhere (on an AVX2-only CPU
+    bf16 is emulated: an 8-token verify costs 3.8x one, decode is slower than fp32's)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
