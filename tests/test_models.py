@@ -873,6 +873,21 @@ def test_packed_target_matches_unpacked(pair, dtype):
         assert_close(b.float(), a.float(), atol=tol * max(1.0, a.abs().max().item()), what="packed vs plain logits")
 
 
+def test_bf16_runner_without_native_bf16_serves_on_plain_linears(tiny_target, restore_threads, monkeypatch):
+    """On a CPU where oneDNN cannot run bf16 (AVX2 only) its weight reorder raises; the runner
+    must still load a bf16 model, on plain linears, and decode."""
+    from actors.target_runner import TargetRunner
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not can_pack(torch.bfloat16, "cpu")
+    runner = TargetRunner(str(tiny_target), num_slots=32, dtype="bfloat16", device="cpu", num_threads=1)
+    assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
+    prompt = rand_tokens(7, 21)
+    ext = runner.forward_step(_meta([0], torch.zeros(1, 0, dtype=torch.long),
+                                    prefill=(torch.tensor([prompt]), torch.arange(1, 8)[None])), VerifyInput.create_idle(1))
+    assert ext.extend_lens.tolist() == [7] and 0 <= int(ext.next_tokens[-1]) < runner.model.shape.vocab_size
+
+
 def test_cuda_and_unknown_dtypes_are_not_packed(tiny_target):
     model = build_target(ModelSource.resolve(tiny_target), torch.float16, "cpu")
     assert not can_pack(FP32, "cuda") and not can_pack(torch.bfloat16, "cuda") and not can_pack(torch.float16, "cpu")
