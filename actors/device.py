@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -20,9 +25,11 @@ def auto_dtype(device: torch.device) -> torch.dtype:
     bf16 is emulated: an 8-token verify costs 3.8x one, decode is slower than fp32's)."""
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if native_bf16_cpu() else torch.float32
+
+
+def native_bf16_cpu() -> bool:
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
 def parse_dtype(name: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
@@ -31,7 +38,16 @@ def parse_dtype(name: str | torch.dtype, device: torch.device | str = "cpu") -> 
         return name
     if str(name).lower() == "auto":
         return auto_dtype(torch.device(device))
-    return DTYPES[str(name).lower()]
+    dtype = DTYPES[str(name).lower()]
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not native_bf16_cpu():
+        _warn_emulated_bf16()
+    return dtype
+
+
+@functools.cache  # once per process: the config and every runner parse the same dtype
+def _warn_emulated_bf16() -> None:
+    log.warning("dtype bfloat16: this CPU has no native bf16 (AMX or AVX512-BF16), so bf16 is emulated and "
+                "slower than float32 here; dtype 'auto' picks float32 on it")
 
 
 def pick_device(device: str = "auto") -> torch.device:

@@ -159,6 +159,22 @@ def test_auto_dtype_is_resolved_once_for_every_runner(tiny_target):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_explicit_bf16_on_a_cpu_without_it_warns_once(monkeypatch, caplog, native):
+    """An explicit bf16 on a CPU that only emulates it (AVX2) still runs, with one warning per
+    process that float32 is faster there; a CPU with native bf16 gets none."""
+    from actors import device
+
+    monkeypatch.setattr(device, "native_bf16_cpu", lambda: native)
+    device._warn_emulated_bf16.cache_clear()
+    with caplog.at_level("WARNING", logger="actors.device"):
+        assert [device.parse_dtype("bfloat16", "cpu") for _ in range(3)] == [torch.bfloat16] * 3
+        assert device.parse_dtype("auto", "cpu") == (torch.bfloat16 if native else torch.float32)
+    warned = [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warned) == (0 if native else 1) and all("float32" in m for m in warned)
+    device._warn_emulated_bf16.cache_clear()
+
+
 def test_ngram_branch_is_kept_first_and_reuses_the_draft_tree():
     from actors.draft_runner import select_tree, with_branches
 
