@@ -17,6 +17,7 @@ from 15.4 to 20.4 tokens/s at batch 1 and from 55 to 102 at batch 8, and a 4-tok
 Only the runners pack their models: packed weights serve forward passes, not training or
 `state_dict()`.
 """
+
 from __future__ import annotations
 
 import torch
