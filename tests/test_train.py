@@ -378,6 +378,20 @@ def test_trim_heap_returns_freed_batch_memory_to_the_os():
     assert all(int(t[0]) == 1 for t in kept)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_training_dtypes_follow_native_bf16(monkeypatch, native):
+    """`--amp` and `--feature-dtype` default to bf16 only where the device runs it natively (on
+    an AVX2-only CPU emulated bf16 is slower than fp32); explicit values are kept."""
+    from actors import device
+    from train import eagle3
+
+    monkeypatch.setattr(device, "native_bf16_cpu", lambda: native)
+    args = common.parse_training_args(eagle3.parser(), ["--out", "x"])
+    assert (args.amp, args.feature_dtype) == (("bf16", "bfloat16") if native else ("off", "float32"))
+    args = common.parse_training_args(eagle3.parser(), ["--out", "x", "--amp", "bf16", "--feature-dtype", "bfloat16"])
+    assert (args.amp, args.feature_dtype) == ("bf16", "bfloat16")
+
+
 def test_steps_in_budget():
     assert common.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=100.0) == 25 + 180
     assert common.steps_in_budget(100, 25, per_step_s=0.5, remaining_s=100.0) == 100  # the budget is not a floor

@@ -470,6 +470,22 @@ def worker_config(args, kind: str, state_dir: Path, features: FeatureSet, ttt_st
     }
 
 
+def parse_training_args(parser, argv=None):
+    """Parse a trainer's command line; `auto` dtypes become what the training device runs natively
+    (bf16 on a GPU or an AMX / AVX512-BF16 CPU; on an AVX2-only CPU emulated bf16 is slower than
+    fp32), so the model card and the feature cache record the dtype actually used."""
+    from actors.device import auto_dtype
+
+    args = parser.parse_args(argv)
+    gpu = args.use_gpu and torch.cuda.is_available()
+    native = auto_dtype(torch.device("cuda" if gpu else "cpu")) == torch.bfloat16
+    if args.feature_dtype == "auto":
+        args.feature_dtype = "bfloat16" if native else "float32"
+    if args.amp == "auto":
+        args.amp = "bf16" if native else "off"
+    return args
+
+
 def add_training_args(p, lr: float) -> None:
     """The command-line options every draft trainer shares (data, schedule, workers, resume, eval)."""
     p.add_argument("--target", default="smollm2-135m-instruct")
@@ -481,8 +497,9 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--holdout", type=float, default=0.03)
     p.add_argument("--topk", type=int, default=32, help="target logits kept per position (soft labels)")
-    p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="dtype of the target forward that computes features and labels")
+    p.add_argument("--feature-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="dtype of the target forward that computes features and labels (auto: bfloat16 where "
+                        "the training device runs it natively, as `--dtype auto` serves; float32 elsewhere)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0)
     p.add_argument("--max-minutes", type=float, default=0.0,
@@ -497,8 +514,9 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--save-dtype", default="bf16", choices=list(SAVE_DTYPES))
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--amp", default="bf16", choices=["bf16", "off"],
-                   help="bf16 autocast for forward/backward (fp32 master weights); ~2x on CPUs with AMX/AVX512-BF16")
+    p.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"],
+                   help="bf16 autocast for forward/backward (fp32 master weights); ~2x on CPUs with AMX/AVX512-BF16 "
+                        "(auto: bf16 where the training device runs it natively, off elsewhere)")
     p.add_argument("--use-gpu", action="store_true")
     p.add_argument("--online-features", action="store_true",
                    help="compute target features per batch on each worker instead of caching them on disk "

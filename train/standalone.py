@@ -154,7 +154,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+    args = common.parse_training_args(parser(), argv)
     start = time.time()
     cfg = prepare(args)
     loop.run(cfg, args.num_workers, start)
