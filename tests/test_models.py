@@ -758,7 +758,7 @@ def test_draft_runner_packs_its_head_and_proposes_a_tree(tiny_target, tiny_eagle
     from actors.draft_runner import DraftRunner
 
     runner = DraftRunner("eagle3", str(tiny_eagle3_own), str(tiny_target), num_steps=3, topk=2, tree_size=5,
-                         num_slots=64, dtype=str(dtype).removeprefix("torch."), device="cpu", num_threads=1)
+                         num_slots=64, dtype=dtype, device="cpu", num_threads=1)
     assert runner.model.midlayer.self_attn.qkv_proj is not None
     assert isinstance(runner.model.lm_head, PackedLinear) and isinstance(runner.model.fc, PackedLinear)
     n = 4
