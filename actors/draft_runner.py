@@ -5,7 +5,8 @@
 
 DraftRunner wraps a draft model (EAGLE, EAGLE3, STANDALONE) and its KV pool, indexed by
 the same slot ids as the target's. NgramDrafter (prompt lookup) and NoDrafter (NONE) have no
-model. Every drafter returns trees of exactly `tree_size` nodes so batches stay rectangular.
+model; BatchSizeCutoff wraps either kind to stop drafting in large batches. Within a step
+every request's tree has the same node count (at most `tree_size`), so batches stay rectangular.
 """
 
 from __future__ import annotations
@@ -71,6 +72,26 @@ class NoDrafter(_ModelFreeDrafter):
 
     def __init__(self):
         super().__init__(tree_size=1)
+
+
+class BatchSizeCutoff:
+    """Speculate only while the batch is small: a decode step with more than `max_batch`
+    requests verifies each root alone (plain decoding). Verify rows grow with batch x tree
+    size, and once the batch fills the hardware they cost more than the accepted drafts save.
+    The drafter still extends over every committed token, so a model draft's KV stays current
+    and drafting resumes as soon as the batch shrinks."""
+
+    def __init__(self, drafter, max_batch: int):
+        self.drafter, self.max_batch = drafter, max_batch
+        self.plain = NoDrafter()
+
+    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
+        if draft_input.num_requests > self.max_batch:
+            return self.plain.propose(meta, draft_input)
+        return self.drafter.propose(meta, draft_input)
+
+    def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
+        return self.drafter.extend(meta, ext)
 
 
 def prompt_lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:

@@ -6,7 +6,8 @@
         [--port 8200] [--out FILE]
 
 Without --url it starts its own Ray and Serve and deploys one application per config side by
-side (`none`: no speculation; `spec`: EAGLE3 with the trained SmolLM2 draft when it is registered and present, else NGRAM),
+side (`none`: no speculation; `spec`: what `make serve` speculates with, the default model's
+EAGLE-3 tree with its batch-size cutoff, NGRAM on other models),
 each under its own route prefix, then takes the levels in turn, every config on each level
 before the next level, so load from other processes on a shared machine hits them alike.
 With --url it measures that one server.
@@ -162,14 +163,6 @@ def measure_level(name: str, base: str, headers: dict, model: str | None, prompt
 # ---- servers started here -----------------------------------------------------------------------
 
 
-def spec_config(args) -> dict:
-    import serve_app
-
-    if args.model == serve_app.DEFAULT_MODEL and serve_app.default_draft_available():
-        return {"speculative_algorithm": "EAGLE3", "draft_model": serve_app.DEFAULT_EAGLE3_DRAFT}
-    return {"speculative_algorithm": "NGRAM"}
-
-
 def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
     """Deploy one application per config under /<name>; returns ({name: app args}, stop())."""
     import ray
@@ -185,8 +178,8 @@ def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
         common["kv_slots"] = args.kv_slots
     configs = {}
     for name in names:
-        extra = {"speculative_algorithm": "NONE"} if name == "none" else spec_config(args)
-        configs[name] = {**common, **extra}
+        # `spec` leaves speculation to the server's defaults (serve_app.apply_spec_defaults).
+        configs[name] = {**common, **({"speculative_algorithm": "NONE"} if name == "none" else {})}
     needed = sum(sum(b.get("CPU", 0) for b in graph_bundles(EngineConfig(**serve_app.split_args(c)[0],
                                                                          backend="ray"))) + 0.5
                  for c in configs.values())
@@ -220,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None,
                    help="requests per level (default: max(2, concurrency) at each level)")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--configs", default="none,spec", help="servers started here: none, spec (EAGLE3 or NGRAM)")
+    p.add_argument("--configs", default="none,spec", help="servers started here: none, spec (the server's default speculation)")
     p.add_argument("--model", default=None, help="model of the servers started here (default model)")
     p.add_argument("--kv-slots", type=int, default=None)
     p.add_argument("--port", type=int, default=8200)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from actors.draft_runner import DraftRunner, NgramDrafter, NoDrafter
+from actors.draft_runner import BatchSizeCutoff, DraftRunner, NgramDrafter, NoDrafter
 from actors.request import RequestOutput
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.target_runner import TargetRunner
@@ -45,9 +45,13 @@ def make_drafter(config: EngineConfig, **runner_kwargs):
     if config.algorithm is SpecAlgorithm.NONE:
         return NoDrafter()
     if config.algorithm is SpecAlgorithm.NGRAM:
-        return NgramDrafter(config.num_steps)
-    return DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
-                       config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch, **runner_kwargs)
+        drafter = NgramDrafter(config.num_steps)
+    else:
+        drafter = DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
+                              config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch, **runner_kwargs)
+    if config.disable_by_batch_size is not None:
+        return BatchSizeCutoff(drafter, config.disable_by_batch_size)
+    return drafter
 
 
 def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSource | None) -> SchedulerConfig:

@@ -127,7 +127,8 @@ def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_d
 
 @pytest.mark.parametrize("field,value", [("num_steps", 0), ("eagle_topk", -1), ("num_draft_tokens", 99),
                                          ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0),
-                                         ("dtype", "float8"), ("ngram_branch", -1), ("ngram_branch", 6)])
+                                         ("dtype", "float8"), ("ngram_branch", -1), ("ngram_branch", 6),
+                                         ("disable_by_batch_size", 0), ("disable_by_batch_size", "4")])
 def test_engine_config_validation_names_the_field(tiny_target, field, value):
     kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
               "num_draft_tokens": 6, field: value}
@@ -140,6 +141,11 @@ def test_ngram_branch_needs_a_draft_model_tree(tiny_target):
         EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3", draft_model="x", ngram_branch=2)
     with pytest.raises(ValueError, match="ngram_branch"):
         EngineConfig(model=str(tiny_target), speculative_algorithm="NGRAM", ngram_branch=2)
+
+
+def test_disable_by_batch_size_needs_speculation(tiny_target):
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        EngineConfig(model=str(tiny_target), disable_by_batch_size=4)
 
 
 def test_auto_dtype_is_resolved_once_for_every_runner(tiny_target):

@@ -82,6 +82,34 @@ def test_full_acceptance_when_draft_is_target(tiny_target, reference):
     assert [o.num_verify_steps for o in outs] == [1 + -(-(m - 1) // 5) for m in MAX_TOKENS]
 
 
+@pytest.mark.parametrize("algorithm,draft,topk,n", [("STANDALONE", "tiny_target", 1, 5), ("EAGLE3", "tiny_eagle3_shared", 4, 8),
+                                                     ("NGRAM", None, 1, 5)])
+def test_disable_by_batch_size_drafts_only_small_batches(request, tiny_target, reference, algorithm, draft, topk, n):
+    """Above the cutoff every decode step commits exactly one token per request (root-only
+    trees); once finished requests shrink the batch to the cutoff, drafting resumes (the target
+    as its own draft then commits several tokens a step). Output stays the target's own."""
+    draft_path = request.getfixturevalue(draft) if draft else None
+    engine = _engine(tiny_target, algorithm, draft_path, topk, n, 4, disable_by_batch_size=2)
+    sched = engine.scheduler
+    free_before = sched.num_free_slots
+    reqs = [sched.find(sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
+            for p, m in zip(PROMPTS, MAX_TOKENS)]
+    sched.step()  # prefill: every request joins
+    small_batch_gains = []
+    while sched.has_unfinished():
+        before = {id(r): len(r.output_ids) for r in sched.running}
+        sched.step()
+        gains = [len(r.output_ids) - before[id(r)] for r in reqs if id(r) in before]
+        if len(before) > 2:
+            assert gains == [1] * len(before)
+        else:
+            small_batch_gains += gains
+    assert [r.output().token_ids for r in reqs] == reference
+    assert sched.num_free_slots == free_before
+    if draft == "tiny_target":
+        assert max(small_batch_gains) == n
+
+
 @pytest.mark.parametrize("algorithm,draft", [("EAGLE3", "tiny_eagle3_own"), ("STANDALONE", "tiny_standalone"), ("NGRAM", None)])
 def test_requests_join_mid_flight(request, tiny_target, reference, algorithm, draft):
     draft_path = request.getfixturevalue(draft) if draft else None

@@ -35,14 +35,15 @@ def _ray_engine(target, algorithm=None, draft=None, **kw):
                                     draft_model=draft and str(draft), backend="ray", kv_slots=2048, **kw))
 
 
-@pytest.mark.parametrize("algorithm,draft,dp,topk,n", [
-    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5),
-    ("STANDALONE", "tiny_standalone", 1, 1, 4),
-    ("NGRAM", None, 2, 1, 4),
+@pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff", [
+    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None),
+    ("STANDALONE", "tiny_standalone", 1, 1, 4, None),
+    ("NGRAM", None, 2, 1, 4, None),
+    ("EAGLE3", "tiny_eagle3_shared", 2, 4, 8, 1),  # ranks with 2+ requests decode plainly
 ])
-def test_lossless_through_the_compiled_graph(request, tiny_target, reference, algorithm, draft, dp, topk, n):
+def test_lossless_through_the_compiled_graph(request, tiny_target, reference, algorithm, draft, dp, topk, n, cutoff):
     engine = _ray_engine(tiny_target, algorithm, draft and request.getfixturevalue(draft), dp_size=dp,
-                         eagle_topk=topk, num_draft_tokens=n)
+                         eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff)
     try:
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
         # One request on dp ranks: the other ranks run idle inputs every step.

@@ -1,0 +1,32 @@
+"""bench.concurrency end to end on the tiny model: levels, the NAME@N cutoff configs, JSON and plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import concurrency
+
+
+def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
+    out = tmp_path / "concurrency.json"
+    result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram,ngram@1", "--levels", "1,2",
+                               "--max-tokens", "6", "--repeats", "1", "--threads", "1", "--out", str(out), "--plot"])
+    assert list(result["results"]) == ["none", "ngram", "ngram@1"]
+    for per_level in result["results"].values():
+        assert set(per_level) == {"1", "2"}
+        assert all(entry["mismatches"] == 0 and entry["tokens_per_s"] > 0 for entry in per_level.values())
+    assert all(entry["speedup"] == 1.0 for entry in result["results"]["none"].values())
+    # One request is within the cutoff of 1: it drafts exactly as ngram does; two are above it.
+    cut, plain = result["results"]["ngram@1"], result["results"]["ngram"]
+    assert cut["1"]["acceptance_length"] == plain["1"]["acceptance_length"]
+    assert cut["2"]["acceptance_length"] == 1.0
+    assert json.loads(out.read_text()) == result
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
+
+
+def test_cutoff_must_be_a_number(tiny_target):
+    with pytest.raises(SystemExit, match="ngram@x"):
+        concurrency.main(["--model", str(tiny_target), "--configs", "ngram@x", "--levels", "1"])
