@@ -127,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--eagle-topk", type=int, default=1)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="decode steps with more running requests than this skip drafting")
     parser.add_argument("--max-tokens", type=int, default=128, help="default for lines without max_tokens")
     parser.add_argument("--replicas", type=int, default=1, help="Ray Data actors, each building its own graph")
     parser.add_argument("--backend", default="local", choices=("local", "ray"),
@@ -145,8 +147,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--input {args.input}: no such file")
     engine_kwargs = dict(model=args.model, draft_model=args.draft_model, speculative_algorithm=args.speculative_algorithm,
                          num_steps=args.num_steps, eagle_topk=args.eagle_topk, num_draft_tokens=args.num_draft_tokens,
+                         disable_by_batch_size=args.disable_by_batch_size,
                          kv_slots=args.kv_slots, max_running_requests=max(args.batch_size, 1), backend=args.backend)
-    EngineConfig(**engine_kwargs)  # fail on a bad configuration before starting anything
+    try:
+        EngineConfig(**engine_kwargs)  # fail on a bad configuration before starting anything
+    except ValueError as exc:
+        parser.error(str(exc))
     pending, errors, done = plan(args.input, args.output, args.max_tokens)
     errors_path = args.output.with_name(args.output.name + ".errors.jsonl")
     errors_path.write_text("".join(json.dumps(e) + "\n" for e in errors))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.batch_generate import completed_ids, parse_line, plan
+from jobs.batch_generate import completed_ids, main, parse_line, plan
 from netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +34,18 @@ def test_parse_line_reasons():
     for line, reason in cases.items():
         with pytest.raises(ValueError, match=reason):
             parse_line(line, 8)
+
+
+def test_bad_engine_option_is_a_usage_error(tmp_path, capsys):
+    """A bad engine flag stops the job before anything starts, with the field named (no traceback)."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "w1"}\n')
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--input", str(inp), "--output", str(tmp_path / "out.jsonl"), "--speculative-algorithm", "NGRAM",
+              "--disable-by-batch-size", "0"])
+    assert exit_info.value.code == 2
+    assert "disable_by_batch_size must be a positive integer" in capsys.readouterr().err
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_resume_cuts_a_torn_line_and_skips_done_ids(tmp_path):
