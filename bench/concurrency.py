@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import datetime as _dt
 import json
+import math
 import shlex
 import sys
 import time
@@ -110,7 +111,8 @@ def plot(result: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
     axes[1].axhline(1.0, color="grey", linewidth=0.8)
     meta = result["meta"]
-    fig.suptitle(f"{meta['model']}, {meta['dtype']}, {meta['threads']} threads, {meta['max_tokens']} tokens per request")
+    fig.suptitle(f"{meta['model']}, {meta['backend']} backend, {meta['dtype']}, {meta['threads']} threads, "
+                 f"{meta['max_tokens']} tokens per request")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -132,6 +134,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--kv-slots", type=int, default=None)
+    p.add_argument("--backend", default="local", choices=("local", "ray"),
+                   help="ray: actors as `make serve` runs them (one CPU, so one thread, per actor)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)
@@ -153,10 +157,25 @@ def main(argv: list[str] | None = None) -> dict:
         encoder = SimpleNamespace(tokenizer=load_tokenizer(ModelSource.resolve(args.model).folder))
         longest = max(len(Engine.encode_chat(encoder, c)) for c in conversations)
         args.kv_slots = max(args.levels) * (longest + args.max_tokens + 2 * 64)
-    configs = dict(parse_config(name, args) for name in names)
-    results = measure(configs, args.levels, conversations, args.max_tokens, args.repeats)
+    configs = {name: dataclasses.replace(cfg, backend=args.backend)
+               for name, cfg in (parse_config(name, args) for name in names)}
+    if args.backend == "ray":
+        import ray
+
+        from graphs.runtime import graph_bundles
+
+        # Logical CPUs for every config's actors at once (they share the machine's cores).
+        needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
+        ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
+        try:
+            results = measure(configs, args.levels, conversations, args.max_tokens, args.repeats)
+        finally:
+            ray.shutdown()
+    else:
+        results = measure(configs, args.levels, conversations, args.max_tokens, args.repeats)
     result = {
-        "meta": {"model": args.model, "levels": args.levels, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
+                 "repeats": args.repeats,
                  "dtype": str(next(iter(configs.values())).torch_dtype).removeprefix("torch."),
                  "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": f"train.data eval seed {EVAL_SEED}",
                  "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
