@@ -53,11 +53,12 @@ DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 # What the server speculates with unless told otherwise (README, bench/results/spec_bench.json):
 # the default model with its shipped EAGLE-3 head drafting a tree that also carries a prompt-lookup
 # branch (the fastest config on Spec-Bench, bf16, batch 1), any other model with prompt lookup
-# (NGRAM), which needs no draft. The tree stops paying above 4 running requests on a 2-core CPU
-# (bench/results/concurrency.json), hence the cutoff; a GPU host can raise it. Keys the user gave
-# win over these.
+# (NGRAM), which needs no draft. On a 2-core CPU full trees stop paying above 2-4 running requests;
+# a budget of 16 verify rows per step cuts them to fewer nodes as the batch grows and to roots
+# alone above 8 (bench/results/concurrency.json); a GPU host can raise it. Keys the user gave win
+# over these.
 DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
-                       "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "disable_by_batch_size": 4}
+                       "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "verify_budget": 16}
 FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
 ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
@@ -950,7 +951,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--ngram-branch", type=int, default=None, help="prompt-lookup tokens forced into each draft tree")
     p.add_argument("--disable-by-batch-size", type=int, default=None,
-                   help="decode steps with more running requests than this skip drafting (default model: 4)")
+                   help="decode steps with more running requests than this skip drafting")
+    p.add_argument("--verify-budget", type=int, default=None,
+                   help="most verify rows per decode step: larger batches keep fewer tree nodes each "
+                        "(default model: 16)")
     p.add_argument("--dp-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)

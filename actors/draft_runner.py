@@ -5,7 +5,7 @@
 
 DraftRunner wraps a draft model (EAGLE, EAGLE3, STANDALONE) and its KV pool, indexed by
 the same slot ids as the target's. NgramDrafter (prompt lookup) and NoDrafter (NONE) have no
-model; BatchSizeCutoff wraps either kind to stop drafting in large batches. Within a step
+model; BatchLimits wraps either kind to draft smaller trees in larger batches. Within a step
 every request's tree has the same node count (at most `tree_size`), so batches stay rectangular.
 """
 
@@ -56,15 +56,16 @@ class _ModelFreeDrafter:
         empty = torch.zeros((ext.num_requests, 0))
         return DraftInput(ext.next_tokens[last], None, empty, empty.long())
 
-    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
+    def propose(self, meta: BatchMeta, draft_input: DraftInput, max_nodes: int | None = None) -> VerifyInput:
         batch = draft_input.num_requests
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
-        draft = self._draft_tokens(meta, draft_input)  # (B, n-1), n <= tree_size
+        nodes = min(self.tree_size, max_nodes or self.tree_size)
+        draft = self._draft_tokens(meta, draft_input, nodes - 1)  # (B, n-1), n <= nodes
         return _verify_input(draft_input.verified_id, draft, chain_parents(batch, draft.shape[1] + 1), meta.seq_lens)
 
-    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
-        return torch.zeros((draft_input.num_requests, self.tree_size - 1), dtype=torch.long)
+    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput, width: int) -> torch.Tensor:
+        return torch.zeros((draft_input.num_requests, width), dtype=torch.long)
 
 
 class NoDrafter(_ModelFreeDrafter):
@@ -74,21 +75,32 @@ class NoDrafter(_ModelFreeDrafter):
         super().__init__(tree_size=1)
 
 
-class BatchSizeCutoff:
-    """Speculate only while the batch is small: a decode step with more than `max_batch`
-    requests verifies each root alone (plain decoding). Verify rows grow with batch x tree
-    size, and once the batch fills the hardware they cost more than the accepted drafts save.
-    The drafter still extends over every committed token, so a model draft's KV stays current
-    and drafting resumes as soon as the batch shrinks."""
+class BatchLimits:
+    """Smaller trees for larger batches. A step verifies batch x nodes rows, and once the batch
+    fills the hardware extra rows cost more than the drafts they accept save. Above
+    `disable_by_batch_size` requests every tree is its root alone (plain decoding); with
+    `verify_budget`, each request keeps its best budget // batch nodes (draft nodes are chosen by
+    path probability, so a cut tree keeps its likeliest part). The drafter still extends over
+    every committed token, so a model draft's KV stays current as trees shrink and grow back."""
 
-    def __init__(self, drafter, max_batch: int):
-        self.drafter, self.max_batch = drafter, max_batch
+    def __init__(self, drafter, tree_size: int, disable_by_batch_size: int | None, verify_budget: int | None):
+        self.drafter, self.tree_size = drafter, tree_size
+        self.disable_by_batch_size, self.verify_budget = disable_by_batch_size, verify_budget
         self.plain = NoDrafter()
 
+    def nodes(self, batch: int) -> int:
+        """Tree nodes per request, root included, in a decode step of `batch` requests."""
+        if self.disable_by_batch_size is not None and batch > self.disable_by_batch_size:
+            return 1
+        if self.verify_budget is not None:
+            return max(1, min(self.tree_size, self.verify_budget // max(batch, 1)))
+        return self.tree_size
+
     def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
-        if draft_input.num_requests > self.max_batch:
+        nodes = self.nodes(draft_input.num_requests)
+        if nodes == 1 and draft_input.num_requests:
             return self.plain.propose(meta, draft_input)
-        return self.drafter.propose(meta, draft_input)
+        return self.drafter.propose(meta, draft_input, nodes)
 
     def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
         return self.drafter.extend(meta, ext)
@@ -121,8 +133,8 @@ class NgramDrafter(_ModelFreeDrafter):
         super().__init__(tree_size=num_steps + 1)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput) -> torch.Tensor:
-        found = [prompt_lookup(h, self.tree_size - 1, self.max_ngram, self.min_ngram) for h in _histories(meta)]
+    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput, width: int) -> torch.Tensor:
+        found = [prompt_lookup(h, width, self.max_ngram, self.min_ngram) for h in _histories(meta)]
         width = max(map(len, found), default=0)
         out = torch.zeros((draft_input.num_requests, width), dtype=torch.long)
         for b, (tokens, root) in enumerate(zip(found, draft_input.verified_id.tolist())):
@@ -230,13 +242,15 @@ class DraftRunner:
         return out
 
     @torch.inference_mode()
-    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
+    def propose(self, meta: BatchMeta, draft_input: DraftInput, max_nodes: int | None = None) -> VerifyInput:
         """EAGLE-2 style dynamic tree: expand the `topk` best beams for `num_steps` levels,
         then keep the `tree_size - 1` candidates with the highest path probability; with
-        `ngram_branch`, a prompt-lookup match is kept first (`with_branches`)."""
+        `ngram_branch`, a prompt-lookup match is kept first (`with_branches`). `max_nodes`
+        (BatchLimits) cuts the tree to fewer nodes, and its depth with it."""
         batch, k = draft_input.num_requests, self.topk
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
+        nodes = min(self.tree_size, max_nodes or self.tree_size)
         if self.hidden_spec is not None:
             self.hidden_spec.check(draft_input.hidden_states, "draft.propose input")
         seq_lens = meta.seq_lens
@@ -259,7 +273,7 @@ class DraftRunner:
         beam_lineage = lineage.unsqueeze(1).expand(batch, k, lineage.shape[1])  # (B, K, d)
         beam_hidden = None if hidden is None else hidden.unsqueeze(1).expand(batch, k, hidden.shape[1])
         pool_size = k
-        for depth in range(1, self.num_steps):
+        for depth in range(1, min(self.num_steps, nodes - 1)):  # no level deeper than a kept node can be
             slots = scratch[:, used : used + k]  # (B, K)
             used += k
             # EAGLE pairs the depth-d token with its parent's hidden at position L + d - 1.
@@ -291,7 +305,7 @@ class DraftRunner:
         if self.ngram_branch:
             branches = [prompt_lookup(h, self.ngram_branch, min_ngram=NGRAM_BRANCH_MIN) for h in _histories(meta)]
             pool = with_branches(*pool, branches)
-        return select_tree(draft_input.verified_id, seq_lens, *pool, self.tree_size)
+        return select_tree(draft_input.verified_id, seq_lens, *pool, nodes)
 
 
 def select_tree(root: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,

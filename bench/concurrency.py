@@ -1,14 +1,16 @@
-"""Throughput against batch size: where speculation stops paying, and what disable_by_batch_size gives back.
+"""Throughput against batch size: where speculation stops paying, and what the batch limits
+(`disable_by_batch_size`, `verify_budget`) give back.
 
     python -m bench.concurrency [--levels 1,2,4,8,16,32] [--max-tokens 64]
-        [--configs none,ngram,eagle3,eagle3-tree-ngram,eagle3-tree-ngram@4] [--plot]
+        [--configs none,ngram,eagle3,eagle3-tree-ngram,eagle3-tree-ngram@4,eagle3-tree-ngram/32] [--plot]
 
 Each level submits that many held-out self-written prompts at once (`train.data.EVAL_SEED`,
 never Spec-Bench, so a cutoff picked from this run is not tuned on the evaluation set), greedy,
 `ignore_eos` so the batch stays full for all `--max-tokens` steps. Configs are those of
-`bench.spec_bench`; `NAME@N` is NAME with `disable_by_batch_size=N`. Every config is loaded
-first and they take turns at each level, so load from other processes hits them alike. Output
-tokens must equal `none`'s (greedy speculation is lossless); differing requests are counted.
+`bench.spec_bench`; `NAME/B@N` is NAME with `verify_budget=B` and `disable_by_batch_size=N`
+(either part optional). Every config is loaded first and they take turns at each level, so load
+from other processes hits them alike. Output tokens must equal `none`'s (greedy speculation is
+lossless); differing requests are counted.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import re
 import shlex
 import sys
 import time
@@ -35,17 +38,20 @@ from train.data import EVAL_SEED, build_prompt_set
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
 
 
+CONFIG_NAME = re.compile(r"^(?P<base>[a-z0-9-]+)(?:/(?P<budget>[1-9][0-9]*))?(?:@(?P<cutoff>[1-9][0-9]*))?$")
+
+
 def parse_config(name: str, args) -> tuple[str, object]:
-    """'eagle3-tree-ngram@4' -> the spec_bench config with disable_by_batch_size=4."""
-    base, _, cutoff = name.partition("@")
-    cfg = engine_config(base, args)
+    """'eagle3-tree-ngram/32@8' -> the spec_bench config with verify_budget=32 and
+    disable_by_batch_size=8 (either part may be left out)."""
+    match = CONFIG_NAME.match(name)
+    if match is None:
+        raise SystemExit(f"--configs: {name!r} is not NAME[/BUDGET][@CUTOFF] with positive integers")
+    cfg = engine_config(match["base"], args)
     if cfg is None:
-        raise SystemExit(f"--configs: {base} needs --draft-eagle3 / --draft-standalone")
-    if cutoff:
-        if not cutoff.isdigit():
-            raise SystemExit(f"--configs: {name!r}: the cutoff after '@' must be a positive integer")
-        cfg = dataclasses.replace(cfg, disable_by_batch_size=int(cutoff))
-    return name, cfg
+        raise SystemExit(f"--configs: {match['base']} needs --draft-eagle3 / --draft-standalone")
+    limits = {"verify_budget": match["budget"], "disable_by_batch_size": match["cutoff"]}
+    return name, dataclasses.replace(cfg, **{k: int(v) for k, v in limits.items() if v is not None})
 
 
 def run_level(engine, conversations: list[list[dict]], max_tokens: int) -> dict:
@@ -100,7 +106,7 @@ def plot(result: dict, path: Path) -> Path:
     levels = result["meta"]["levels"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, per_level in result["results"].items():
-        style = "--" if "@" in name else "-"
+        style = "--" if "@" in name or "/" in name else "-"
         for ax, key in zip(axes, ("tokens_per_s", "speedup")):
             ax.plot(levels, [per_level[str(n)][key] for n in levels], style, marker="o", label=name)
     for ax, label in zip(axes, ("output tokens/s", f"speedup over '{REFERENCE}'")):

@@ -22,10 +22,13 @@ class EngineConfig:
     eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting
     num_draft_tokens: int = 4  # tree nodes verified per step, root included (chains use num_steps + 1)
     ngram_branch: int = 0  # tree drafting: up to this many prompt-lookup tokens forced into each tree
-    # Decode steps with more running requests than this (per rank) verify each root alone, as
-    # vLLM's disable_by_batch_size: big batches already fill the hardware, so extra draft rows
-    # cost more than they save. None: always speculate.
+    # Big batches already fill the hardware, so extra draft rows cost more than they save
+    # (actors.draft_runner.BatchLimits). Decode steps with more running requests than this (per
+    # rank) verify each root alone, as vLLM's disable_by_batch_size; None: always speculate.
     disable_by_batch_size: int | None = None
+    # Most verify rows per decode step and rank: a batch of B keeps the best verify_budget // B
+    # nodes of each tree (roots alone below 2). None: full trees at any batch size.
+    verify_budget: int | None = None
     dp_size: int = 1
     backend: str = "local"
     dtype: str = "float32"  # or "auto": bf16 where the hardware runs it natively (actors.device.auto_dtype)
@@ -75,12 +78,14 @@ class EngineConfig:
         if self.ngram_branch >= self.num_draft_tokens:
             raise ValueError(f"ngram_branch must be below num_draft_tokens ({self.num_draft_tokens}), "
                              f"got {self.ngram_branch}")
-        if self.disable_by_batch_size is not None:
+        for name in ("disable_by_batch_size", "verify_budget"):
+            value = getattr(self, name)
+            if value is None:
+                continue
             if self.algorithm is SpecAlgorithm.NONE:
-                raise ValueError("disable_by_batch_size: there is no speculation to disable (speculative_algorithm NONE)")
-            if (not isinstance(self.disable_by_batch_size, int) or isinstance(self.disable_by_batch_size, bool)
-                    or self.disable_by_batch_size < 1):
-                raise ValueError(f"disable_by_batch_size must be a positive integer or None, got {self.disable_by_batch_size!r}")
+                raise ValueError(f"{name}: there is no speculation to limit (speculative_algorithm NONE)")
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

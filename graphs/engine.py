@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator, Sequence
 
-from actors.draft_runner import BatchSizeCutoff, DraftRunner, NgramDrafter, NoDrafter
+from actors.draft_runner import BatchLimits, DraftRunner, NgramDrafter, NoDrafter
 from actors.request import RequestOutput
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.target_runner import TargetRunner
@@ -49,8 +49,8 @@ def make_drafter(config: EngineConfig, **runner_kwargs):
     else:
         drafter = DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
                               config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch, **runner_kwargs)
-    if config.disable_by_batch_size is not None:
-        return BatchSizeCutoff(drafter, config.disable_by_batch_size)
+    if config.disable_by_batch_size is not None or config.verify_budget is not None:
+        return BatchLimits(drafter, config.tree_size, config.disable_by_batch_size, config.verify_budget)
     return drafter
 
 

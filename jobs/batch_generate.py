@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="decode steps with more running requests than this skip drafting")
+    parser.add_argument("--verify-budget", type=int, default=None,
+                        help="most verify rows per decode step: larger batches keep fewer tree nodes each")
     parser.add_argument("--max-tokens", type=int, default=128, help="default for lines without max_tokens")
     parser.add_argument("--replicas", type=int, default=1, help="Ray Data actors, each building its own graph")
     parser.add_argument("--backend", default="local", choices=("local", "ray"),
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--input {args.input}: no such file")
     engine_kwargs = dict(model=args.model, draft_model=args.draft_model, speculative_algorithm=args.speculative_algorithm,
                          num_steps=args.num_steps, eagle_topk=args.eagle_topk, num_draft_tokens=args.num_draft_tokens,
-                         disable_by_batch_size=args.disable_by_batch_size,
+                         disable_by_batch_size=args.disable_by_batch_size, verify_budget=args.verify_budget,
                          kv_slots=args.kv_slots, max_running_requests=max(args.batch_size, 1), backend=args.backend)
     try:
         EngineConfig(**engine_kwargs)  # fail on a bad configuration before starting anything

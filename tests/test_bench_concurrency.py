@@ -27,6 +27,14 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
 
 
-def test_cutoff_must_be_a_number(tiny_target):
-    with pytest.raises(SystemExit, match="ngram@x"):
-        concurrency.main(["--model", str(tiny_target), "--configs", "ngram@x", "--levels", "1"])
+@pytest.mark.parametrize("name", ["ngram@x", "ngram/0", "ngram@4/8"])
+def test_limits_must_be_positive_numbers(tiny_target, name):
+    with pytest.raises(SystemExit, match=name):
+        concurrency.main(["--model", str(tiny_target), "--configs", name, "--levels", "1"])
+
+
+def test_config_names_carry_budget_and_cutoff():
+    args = concurrency.parse_args(["--model", "m", "--dtype", "float32", "--kv-slots", "512"])
+    _, cfg = concurrency.parse_config("eagle3-tree-ngram/32@8", args)
+    assert (cfg.verify_budget, cfg.disable_by_batch_size, cfg.num_draft_tokens) == (32, 8, 8)
+    assert concurrency.parse_config("ngram/12", args)[1].verify_budget == 12

@@ -128,7 +128,8 @@ def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_d
 @pytest.mark.parametrize("field,value", [("num_steps", 0), ("eagle_topk", -1), ("num_draft_tokens", 99),
                                          ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0),
                                          ("dtype", "float8"), ("ngram_branch", -1), ("ngram_branch", 6),
-                                         ("disable_by_batch_size", 0), ("disable_by_batch_size", "4")])
+                                         ("disable_by_batch_size", 0), ("disable_by_batch_size", "4"),
+                                         ("verify_budget", 0)])
 def test_engine_config_validation_names_the_field(tiny_target, field, value):
     kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
               "num_draft_tokens": 6, field: value}

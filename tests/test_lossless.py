@@ -82,32 +82,49 @@ def test_full_acceptance_when_draft_is_target(tiny_target, reference):
     assert [o.num_verify_steps for o in outs] == [1 + -(-(m - 1) // 5) for m in MAX_TOKENS]
 
 
-@pytest.mark.parametrize("algorithm,draft,topk,n", [("STANDALONE", "tiny_target", 1, 5), ("EAGLE3", "tiny_eagle3_shared", 4, 8),
-                                                     ("NGRAM", None, 1, 5)])
-def test_disable_by_batch_size_drafts_only_small_batches(request, tiny_target, reference, algorithm, draft, topk, n):
-    """Above the cutoff every decode step commits exactly one token per request (root-only
-    trees); once finished requests shrink the batch to the cutoff, drafting resumes (the target
-    as its own draft then commits several tokens a step). Output stays the target's own."""
-    draft_path = request.getfixturevalue(draft) if draft else None
-    engine = _engine(tiny_target, algorithm, draft_path, topk, n, 4, disable_by_batch_size=2)
+def _limited_steps(engine) -> tuple[list, list[tuple[int, int, int]]]:
+    """Run every request at once; per decode step and request (running batch, tokens left, tokens gained)."""
     sched = engine.scheduler
-    free_before = sched.num_free_slots
     reqs = [sched.find(sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
             for p, m in zip(PROMPTS, MAX_TOKENS)]
     sched.step()  # prefill: every request joins
-    small_batch_gains = []
+    steps = []
     while sched.has_unfinished():
         before = {id(r): len(r.output_ids) for r in sched.running}
         sched.step()
-        gains = [len(r.output_ids) - before[id(r)] for r in reqs if id(r) in before]
-        if len(before) > 2:
-            assert gains == [1] * len(before)
-        else:
-            small_batch_gains += gains
+        steps += [(len(before), r.max_new_tokens - before[id(r)], len(r.output_ids) - before[id(r)])
+                  for r in reqs if id(r) in before]
+    return reqs, steps
+
+
+@pytest.mark.parametrize("limits,nodes", [
+    ({"disable_by_batch_size": 2}, lambda batch: 5 if batch <= 2 else 1),
+    ({"verify_budget": 8}, lambda batch: max(1, min(5, 8 // batch))),
+    ({"verify_budget": 8, "disable_by_batch_size": 3}, lambda batch: 1 if batch > 3 else max(1, min(5, 8 // batch))),
+])
+def test_batch_limits_shrink_trees_as_the_batch_grows(tiny_target, reference, limits, nodes):
+    """The target as its own draft accepts every node, so each step commits exactly as many tokens
+    per request as its tree kept: 5 in a small batch, fewer as the batch grows, 1 (the root)
+    above the cutoff; output stays the target's own and no KV slot leaks."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, **limits)
+    free_before = engine.scheduler.num_free_slots
+    reqs, steps = _limited_steps(engine)
     assert [r.output().token_ids for r in reqs] == reference
-    assert sched.num_free_slots == free_before
-    if draft == "tiny_target":
-        assert max(small_batch_gains) == n
+    assert engine.scheduler.num_free_slots == free_before
+    assert all(gained == min(nodes(batch), left) for batch, left, gained in steps)
+    assert {nodes(batch) for batch, _, _ in steps} > {1}  # the run saw both cut and full trees
+
+
+@pytest.mark.parametrize("algorithm,draft,topk,n", [("EAGLE3", "tiny_eagle3_shared", 4, 8), ("EAGLE", "tiny_eagle", 2, 5),
+                                                     ("NGRAM", None, 1, 5)])
+def test_batch_limits_stay_lossless(request, tiny_target, reference, algorithm, draft, topk, n):
+    draft_path = request.getfixturevalue(draft) if draft else None
+    engine = _engine(tiny_target, algorithm, draft_path, topk, n, 3, verify_budget=9, disable_by_batch_size=4)
+    free_before = engine.scheduler.num_free_slots
+    reqs, steps = _limited_steps(engine)
+    assert [r.output().token_ids for r in reqs] == reference
+    assert engine.scheduler.num_free_slots == free_before
+    assert all(gained == 1 for batch, _, gained in steps if batch > 4)
 
 
 @pytest.mark.parametrize("algorithm,draft", [("EAGLE3", "tiny_eagle3_own"), ("STANDALONE", "tiny_standalone"), ("NGRAM", None)])

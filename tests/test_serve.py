@@ -85,8 +85,9 @@ def test_app_args_and_deployment_options(tiny_target):
     assert (default["speculative_algorithm"], default["draft_model"]) == ("EAGLE3", serve_app.DEFAULT_EAGLE3_DRAFT)
     assert (default["num_steps"], default["eagle_topk"], default["num_draft_tokens"], default["ngram_branch"]) \
         == (3, 4, 8, 5)
-    assert default["disable_by_batch_size"] == 4
-    assert split_args({"disable_by_batch_size": "64"})[0]["disable_by_batch_size"] == 64
+    assert default["verify_budget"] == 16 and "disable_by_batch_size" not in default
+    assert split_args({"verify_budget": "64"})[0]["verify_budget"] == 64
+    assert split_args({"disable_by_batch_size": "4"})[0]["disable_by_batch_size"] == 4
     assert split_args({"eagle_topk": 2})[0]["eagle_topk"] == 2  # what the user gave wins
     # A chain or a smaller tree the user asks for does not get the default tree's branch.
     assert "ngram_branch" not in split_args({"eagle_topk": 1})[0]
