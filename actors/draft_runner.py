@@ -64,8 +64,8 @@ class _ModelFreeDrafter:
         draft = self._draft_tokens(meta, draft_input, nodes - 1)  # (B, n-1), n <= nodes
         return _verify_input(draft_input.verified_id, draft, chain_parents(batch, draft.shape[1] + 1), meta.seq_lens)
 
-    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput, width: int) -> torch.Tensor:
-        return torch.zeros((draft_input.num_requests, width), dtype=torch.long)
+    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput, most: int) -> torch.Tensor:
+        return torch.zeros((draft_input.num_requests, most), dtype=torch.long)
 
 
 class NoDrafter(_ModelFreeDrafter):
@@ -83,8 +83,8 @@ class BatchLimits:
     path probability, so a cut tree keeps its likeliest part). The drafter still extends over
     every committed token, so a model draft's KV stays current as trees shrink and grow back."""
 
-    def __init__(self, drafter, tree_size: int, disable_by_batch_size: int | None, verify_budget: int | None):
-        self.drafter, self.tree_size = drafter, tree_size
+    def __init__(self, drafter, disable_by_batch_size: int | None, verify_budget: int | None):
+        self.drafter = drafter
         self.disable_by_batch_size, self.verify_budget = disable_by_batch_size, verify_budget
         self.plain = NoDrafter()
 
@@ -93,8 +93,8 @@ class BatchLimits:
         if self.disable_by_batch_size is not None and batch > self.disable_by_batch_size:
             return 1
         if self.verify_budget is not None:
-            return max(1, min(self.tree_size, self.verify_budget // max(batch, 1)))
-        return self.tree_size
+            return max(1, min(self.drafter.tree_size, self.verify_budget // max(batch, 1)))
+        return self.drafter.tree_size
 
     def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
         nodes = self.nodes(draft_input.num_requests)
@@ -133,8 +133,8 @@ class NgramDrafter(_ModelFreeDrafter):
         super().__init__(tree_size=num_steps + 1)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
-    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput, width: int) -> torch.Tensor:
-        found = [prompt_lookup(h, width, self.max_ngram, self.min_ngram) for h in _histories(meta)]
+    def _draft_tokens(self, meta: BatchMeta, draft_input: DraftInput, most: int) -> torch.Tensor:
+        found = [prompt_lookup(h, most, self.max_ngram, self.min_ngram) for h in _histories(meta)]
         width = max(map(len, found), default=0)
         out = torch.zeros((draft_input.num_requests, width), dtype=torch.long)
         for b, (tokens, root) in enumerate(zip(found, draft_input.verified_id.tolist())):

@@ -27,7 +27,7 @@ class EngineConfig:
     # rank) verify each root alone, as vLLM's disable_by_batch_size; None: always speculate.
     disable_by_batch_size: int | None = None
     # Most verify rows per decode step and rank: a batch of B keeps the best verify_budget // B
-    # nodes of each tree (roots alone below 2). None: full trees at any batch size.
+    # nodes of each tree (the root alone when that is below 2). None: full trees at any batch size.
     verify_budget: int | None = None
     dp_size: int = 1
     backend: str = "local"
