@@ -60,7 +60,7 @@ class _ModelFreeDrafter:
         batch = draft_input.num_requests
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
-        nodes = min(self.tree_size, max_nodes or self.tree_size)
+        nodes = max_nodes or self.tree_size  # BatchLimits keeps max_nodes within tree_size
         draft = self._draft_tokens(meta, draft_input, nodes - 1)  # (B, n-1), n <= nodes
         return _verify_input(draft_input.verified_id, draft, chain_parents(batch, draft.shape[1] + 1), meta.seq_lens)
 
@@ -250,7 +250,7 @@ class DraftRunner:
         batch, k = draft_input.num_requests, self.topk
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
-        nodes = min(self.tree_size, max_nodes or self.tree_size)
+        nodes = max_nodes or self.tree_size  # BatchLimits keeps max_nodes within tree_size
         if self.hidden_spec is not None:
             self.hidden_spec.check(draft_input.hidden_states, "draft.propose input")
         seq_lens = meta.seq_lens

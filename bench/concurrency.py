@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.spec_bench import REFERENCE, engine_config
+from bench.spec_bench import REFERENCE, engine_config, kv_slots_for
 from graphs import SamplingParams, build_graph
 from graphs.engine import Engine
 from models.build import ModelSource, load_tokenizer
@@ -158,11 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
     names = list(dict.fromkeys([REFERENCE] + [n.strip() for n in args.configs.split(",") if n.strip()]))
     prompts = build_prompt_set(max(args.levels), EVAL_SEED)
     conversations = [p["messages"] for p in prompts[: max(args.levels)]]
-    if args.kv_slots is None:
-        # Every request at once: prompt, output and two steps' trees and scratch each.
+    if args.kv_slots is None:  # every request of the largest level at once
         encoder = SimpleNamespace(tokenizer=load_tokenizer(ModelSource.resolve(args.model).folder))
-        longest = max(len(Engine.encode_chat(encoder, c)) for c in conversations)
-        args.kv_slots = max(args.levels) * (longest + args.max_tokens + 2 * 64)
+        ids = [Engine.encode_chat(encoder, c) for c in conversations]
+        args.kv_slots = kv_slots_for(ids, max(args.levels), args.max_tokens)
     configs = {name: dataclasses.replace(cfg, backend=args.backend)
                for name, cfg in (parse_config(name, args) for name in names)}
     if args.backend == "ray":

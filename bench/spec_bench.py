@@ -102,6 +102,13 @@ def engine_config(name: str, args) -> EngineConfig | None:
     raise ValueError(f"--configs: unknown config {name!r} (known: {', '.join(ENGINE_CONFIGS)})")
 
 
+def kv_slots_for(prompts: list[list[int]], batch_size: int, max_tokens: int) -> int:
+    """A KV pool that holds `batch_size` of the longest prompt at once: the scheduler reserves
+    prompt + max_tokens + 2 steps of verify/scratch slots per request (plus a margin)."""
+    longest = max(len(p) for p in prompts)
+    return batch_size * (longest + max_tokens + 2 * 64) + 64
+
+
 # A runner takes a list of prompt-id lists (and optionally fewer max tokens, for the warmup)
 # and returns [(token_ids, verify_steps)] in order.
 Runner = Callable[..., list[tuple[list[int], int]]]
@@ -376,9 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
     eos_ids = sorted(eos_token_ids(target, tokenizer))
     warmup = next(iter(prompts.values()))[0]
     if args.kv_slots is None:
-        # The scheduler reserves prompt + max_tokens + 2 steps of verify/scratch slots per request.
-        longest = max(len(p) for ps in prompts.values() for p in ps)
-        args.kv_slots = args.batch_size * (longest + args.max_tokens + 2 * 64) + 64
+        args.kv_slots = kv_slots_for([p for ps in prompts.values() for p in ps], args.batch_size, args.max_tokens)
 
     factories: OrderedDict[str, Factory] = OrderedDict()
     skipped: dict[str, str] = {}

@@ -13,6 +13,10 @@ from spec.algorithm import SpecAlgorithm
 BACKENDS = ("local", "ray")
 
 
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -53,7 +57,7 @@ class EngineConfig:
         self.algorithm = SpecAlgorithm.from_name(self.speculative_algorithm)
         for name in ("num_steps", "eagle_topk", "dp_size", "kv_slots", "max_running_requests", "max_prefill_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         check_dtype_name(self.dtype)
         if self.backend not in BACKENDS:
@@ -84,7 +88,7 @@ class EngineConfig:
                 continue
             if self.algorithm is SpecAlgorithm.NONE:
                 raise ValueError(f"{name}: there is no speculation to limit (speculative_algorithm NONE)")
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

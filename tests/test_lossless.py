@@ -34,12 +34,16 @@ def _engine(target, algorithm=None, draft=None, topk=1, n=4, steps=3, **kw):
         eagle_topk=topk, num_draft_tokens=n, num_steps=steps, **kw))
 
 
+def _submit(sched, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list:
+    """Add every request at once, greedy, each with its own max_tokens; their Request objects."""
+    return [sched.find(sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
+            for p, m in zip(prompts, max_tokens)]
+
+
 def _run_all(engine, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     """Submit every request at once, each with its own max_tokens; run to completion."""
     sched = engine.scheduler
-    rids = [sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-            for p, m in zip(prompts, max_tokens)]
-    reqs = [sched.find(r) for r in rids]
+    reqs = _submit(sched, prompts, max_tokens)
     while sched.has_unfinished():
         sched.step()
     return [r.output() for r in reqs]
@@ -85,8 +89,7 @@ def test_full_acceptance_when_draft_is_target(tiny_target, reference):
 def _limited_steps(engine) -> tuple[list, list[tuple[int, int, int]]]:
     """Run every request at once; per decode step and request (running batch, tokens left, tokens gained)."""
     sched = engine.scheduler
-    reqs = [sched.find(sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
-            for p, m in zip(PROMPTS, MAX_TOKENS)]
+    reqs = _submit(sched)
     sched.step()  # prefill: every request joins
     steps = []
     while sched.has_unfinished():
@@ -170,8 +173,7 @@ def test_kv_budget_makes_requests_wait(tiny_target, reference):
 def test_max_running_requests(tiny_target, reference):
     engine = _engine(tiny_target, "NGRAM", max_running_requests=2)
     sched = engine.scheduler
-    reqs = [sched.find(sched.add_request(p, SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)))
-            for p, m in zip(PROMPTS, MAX_TOKENS)]
+    reqs = _submit(sched)
     peak = 0
     while sched.has_unfinished():
         sched.step()
