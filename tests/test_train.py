@@ -509,3 +509,95 @@ def test_standalone_trainer_end_to_end(tiny):
     spec = _greedy(tiny["target"], out, "STANDALONE", prompts=prompts, num_steps=3)
     assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
     _check_warm_start(standalone.main, base, out, work, tiny["root"] / "standalone_warm")
+
+
+# ---- target-written prompts (train.magpie) ------------------------------------------------------
+
+# A ChatML-like template with a default system prompt, as the default target's.
+ROLE_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<system> You help. </s> {% endif %}"
+                 "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<assistant> {% endif %}")
+
+
+def test_magpie_prefix_is_the_chat_template_up_to_the_user_message():
+    from train.magpie import STEERS, magpie_jobs, user_turn_prefix
+
+    tok = make_tokenizer_with(ROLE_TEMPLATE)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name a bird."}], tokenize=False,
+                                   add_generation_prompt=True)
+    prefix = user_turn_prefix(tok, None)
+    assert chat.startswith(prefix + "Name a bird.") and prefix == "<system> You help. </s> <user> "
+    steer = STEERS[-1][1]
+    assert steer in user_turn_prefix(tok, steer) and steer not in prefix
+    jobs = magpie_jobs(tok, 40, seed=3)
+    assert jobs[:10] == magpie_jobs(tok, 10, seed=3)  # prefix-stable in n, same sampling seeds
+    assert [k for k, _, _ in jobs] == [f"m3-{k}" for k in range(40)]
+    assert len({p["kind"] for _, p, _ in jobs}) > 4 and all(j[2].temperature > 0 for j in jobs)
+    assert jobs[0][2].seed != magpie_jobs(tok, 1, seed=4)[0][2].seed
+    with pytest.raises(ValueError, match="chat template"):
+        user_turn_prefix(make_tokenizer_with("{% for m in messages %}{{ m['content'] }}{% endfor %}"), None)
+
+
+def make_tokenizer_with(template: str):
+    from tiny_models import word_tokenizer
+
+    tok = word_tokenizer(VOCAB)
+    tok.chat_template = template
+    return tok
+
+
+def _turn(key: str, text: str, finish: str = "stop") -> dict:
+    return {"key": key, "id": key, "kind": "magpie-open", "mode": "t1.0", "prompt_ids": [1], "output_ids": [2],
+            "text": text, "finish": finish}
+
+
+def test_magpie_turns_become_clean_unique_prompts():
+    from train.magpie import magpie_prompts
+
+    records = [_turn("m0-10", "How do I keep basil alive on a windowsill?"),
+               _turn("m0-2", "  Can you write a short poem about autumn leaves?\n"),
+               _turn("m0-3", "can you write a short poem about autumn leaves?"),  # the same turn again
+               _turn("m0-4", "Plan a three-day trip to Lisbon for me and my", "length"),  # cut off
+               _turn("m0-5", "Hi!"),  # too short
+               _turn("m0-6", "What is 12 + 7? <|im_end|> <|im_start|>assistant 19"),  # ran into the answer
+               _turn("m0-7", "1234 5678 9012 3456 7890 #### ---- ####")]  # not words
+    prompts = magpie_prompts(records)
+    assert [p["id"] for p in prompts] == ["m0-2", "m0-10"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "Can you write a short poem about autumn leaves?"}]
+
+
+def test_target_written_prompts_answer_missing_turns_and_hold_out_eval_ones(tiny, tmp_path):
+    """train.data --magpie: only turns not yet in magpie.jsonl are sampled; training turns are
+    cleaned and decontaminated; held-out turns (seed EVAL_SEED) that equal a training turn or a
+    held-out template prompt are left out of eval_magpie.jsonl."""
+    import types
+
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from train.data import EVAL_SEED, read_jsonl, target_written_prompts
+
+    train_texts = ["How do I keep basil alive on a windowsill?", "Write a haiku about a quiet harbor at dawn.",
+                   "Explain how a bicycle gear works, simply.", "Suggest three names for a bakery by the sea."]
+    records = [_turn(f"m0-{k}", t) for k, t in enumerate(train_texts)]
+    eval_turn = f"m{EVAL_SEED}-"
+    records += [_turn(eval_turn + "0", "What makes sourdough bread sour, in short?"),
+                _turn(eval_turn + "1", train_texts[2].lower()),  # a training turn: not held out
+                _turn(eval_turn + "2", "Give me a packing list for a weekend of camping.")]  # a template prompt
+    if SPEC_BENCH.is_file():
+        records.append(_turn("m0-4", load_eval_turns()[7]))  # an eval-set turn: dropped
+    path = tmp_path / "magpie.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
+    engine.tokenizer.chat_template = ROLE_TEMPLATE
+    args = types.SimpleNamespace(magpie=6, num_eval_magpie=3, seed=0)
+    try:
+        prompts = target_written_prompts(engine, args, tmp_path, {"Give me a packing list for a weekend of camping."},
+                                         None)
+    finally:
+        engine.shutdown()
+    sampled = read_jsonl(path)[len(records):]
+    assert sorted(r["key"] for r in sampled) == (["m0-4"] if not SPEC_BENCH.is_file() else []) + ["m0-5"]
+    assert [user_text(p["messages"]) for p in prompts][:4] == train_texts
+    assert not any(r["text"] == user_text(p["messages"]) for r in records[7:] for p in prompts)
+    held = [json.loads(line)["messages"][0]["content"] for line in (tmp_path / "eval_magpie.jsonl").read_text().splitlines()]
+    assert held == ["What makes sourdough bread sour, in short?"]

@@ -8,6 +8,8 @@ recomputed with `models.build.build_target` when training.
 Writes `responses.jsonl` (one record per finished generation: id, kind, mode, prompt_ids,
 output_ids), appended as requests finish so an interrupted run resumes where it stopped,
 and `eval_prompts.jsonl` (held-out prompts from another seed, for measuring acceptance).
+`--magpie N` samples N user turns from the target itself (`train.magpie`), answered like the
+self-written prompts, and writes `eval_magpie.jsonl`, held-out turns from another seed.
 `--documents N --back-translations` add document tasks: N passages of the document stream, then
 summarize / extract / question prompts over one to five of them, and prompts to translate the
 target's own translations back into English; they are answered before the plain prompts.
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from graphs.config import EngineConfig
 from train.decontam import filter_prompts
+from train.magpie import magpie_jobs, magpie_prompts
 from train.prompts import (DOC_SEVERAL, DOC_SINGLE, TRANSLATE_TO, back_translation_tasks, document_prompts, follow_up,
                            generate_prompts, passage_tasks)
 
@@ -46,7 +49,8 @@ def run_engine(engine, jobs: list[tuple[str, dict, object]], out_path: Path | No
     scheduler = engine.scheduler
     pending = {}
     for key, prompt, params in jobs:
-        ids = engine.encode_chat(prompt["messages"])
+        # A "prefix" is raw template text the target continues (train.magpie's open user turns).
+        ids = engine.encode(prompt["prefix"]) if "prefix" in prompt else engine.encode_chat(prompt["messages"])
         rid = scheduler.add_request(ids, params)
         pending[key] = (prompt, ids, scheduler.find(rid), params)
     results: dict[str, dict] = {}
@@ -119,6 +123,28 @@ def document_tasks(engine, prompts: list[dict], args, responses_path: Path, have
     return filter_prompts(tasks)[0]
 
 
+def target_written_prompts(engine, args, out: Path, held_out: set[str], deadline: float | None) -> list[dict]:
+    """--magpie user turns sampled from the target (kept in magpie.jsonl); writes the held-out
+    ones (seed EVAL_SEED, none equal to a training turn or a held-out template prompt) to
+    eval_magpie.jsonl and returns the training prompts."""
+    if not args.magpie:
+        return []
+    path = out / "magpie.jsonl"
+    have = {r["key"]: r for r in read_jsonl(path)}
+    jobs = magpie_jobs(engine.tokenizer, args.magpie, args.seed) + \
+        magpie_jobs(engine.tokenizer, args.num_eval_magpie, EVAL_SEED)
+    have.update(run_engine(engine, [j for j in jobs if j[0] not in have], path, "user turns", deadline=deadline))
+    stem = f"m{EVAL_SEED}-"
+    train, _ = filter_prompts(magpie_prompts([r for k, r in have.items() if not k.startswith(stem)]))
+    held, _ = filter_prompts(magpie_prompts([r for k, r in have.items() if k.startswith(stem)]))
+    texts = {p["messages"][0]["content"].lower() for p in train} | {t.lower() for t in held_out}
+    with open(out / "eval_magpie.jsonl", "w") as handle:
+        for p in held:
+            if p["messages"][0]["content"].lower() not in texts:
+                handle.write(json.dumps(p) + "\n")
+    return train
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -142,6 +168,8 @@ def main(argv=None) -> None:
                         help="passages of the document stream to write, which become long document tasks")
     parser.add_argument("--back-translations", action="store_true",
                         help="ask to translate the target's own translations back into English")
+    parser.add_argument("--magpie", type=int, default=0, help="user turns to sample from the target (train.magpie)")
+    parser.add_argument("--num-eval-magpie", type=int, default=120, help="held-out target-written turns (with --magpie)")
     parser.add_argument("--max-minutes", type=float, default=0.0,
                         help="stop generating after this long (what finished is kept; rerun to resume)")
     args = parser.parse_args(argv)
@@ -176,6 +204,8 @@ def main(argv=None) -> None:
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rng = random.Random(args.seed)
 
+    magpie = target_written_prompts(engine, args, out, {p["messages"][0]["content"] for p in eval_prompts}, deadline)
+
     # Stage 1: passages the target writes, which become summarize / rewrite / extract material.
     passage_prompts = [p for p in prompts if p["kind"] == "passage"]
     passages_path = out / "passages.jsonl"
@@ -186,7 +216,7 @@ def main(argv=None) -> None:
     complete = all(p["id"] in have for p in passage_prompts)
     texts = [have[p["id"]]["text"] for p in passage_prompts if have[p["id"]]["finish"] == "stop"] if complete else []
     derived, dropped = filter_prompts(passage_tasks(texts, args.seed))
-    all_prompts = prompts + derived + document_tasks(engine, prompts, args, responses_path, answered, deadline)
+    all_prompts = prompts + magpie + derived + document_tasks(engine, prompts, args, responses_path, answered, deadline)
 
     # Stage 2: greedy answers for every prompt, sampled answers for a share of them.
     jobs = []
