@@ -18,9 +18,10 @@ def write_card(out: Path, state: Path, kind: str, target: str, args: dict) -> No
     last = train[-20:]
     title = {"eagle3": "EAGLE-3 head", "standalone": "Standalone draft LM"}[kind]
     lines = [f"# {args.get('name') or out.name}", "", f"{title} for `{target}`, trained in this repository (`python -m train.{kind}`)",
-             "by self-distillation on the target's own answers to self-written prompts (`train/prompts.py`),",
-             "generated with our engine (`python -m train.data`). No benchmark data (Spec-Bench) was used for",
-             "training, tuning or choosing prompts; `tests/test_train.py` checks the prompts are disjoint from it.", ""]
+             "by self-distillation on the target's own answers to prompts written here (`train/prompts.py`) or by",
+             "the target itself (`train/magpie.py`), generated with our engine (`python -m train.data`). No",
+             "benchmark data (Spec-Bench) was used for training, tuning or choosing prompts; `train.decontam`",
+             "drops any prompt overlapping it and `tests/test_train.py` checks that.", ""]
     lines += ["## Training", "", "| | |", "|---|---|"]
     for key, value in info.items():
         lines.append(f"| {key} | {value} |")

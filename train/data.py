@@ -1,4 +1,4 @@
-"""Self-distillation data: the target's own answers to self-written prompts, generated through
+"""Self-distillation data: the target's own answers to self-written and target-written prompts, generated through
 our engine (offline API, batched), plus target features (aux hidden states and logits)
 recomputed with `models.build.build_target` when training.
 
