@@ -519,6 +519,14 @@ ROLE_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<system> You help. </s
                  "{% if add_generation_prompt %}<assistant> {% endif %}")
 
 
+def make_tokenizer_with(template: str):
+    from tiny_models import word_tokenizer
+
+    tok = word_tokenizer(VOCAB)
+    tok.chat_template = template
+    return tok
+
+
 def test_magpie_prefix_is_the_chat_template_up_to_the_user_message():
     from train.magpie import STEERS, magpie_jobs, user_turn_prefix
 
@@ -536,14 +544,6 @@ def test_magpie_prefix_is_the_chat_template_up_to_the_user_message():
     assert jobs[0][2].seed != magpie_jobs(tok, 1, seed=4)[0][2].seed
     with pytest.raises(ValueError, match="chat template"):
         user_turn_prefix(make_tokenizer_with("{% for m in messages %}{{ m['content'] }}{% endfor %}"), None)
-
-
-def make_tokenizer_with(template: str):
-    from tiny_models import word_tokenizer
-
-    tok = word_tokenizer(VOCAB)
-    tok.chat_template = template
-    return tok
 
 
 def _turn(key: str, text: str, finish: str = "stop") -> dict:

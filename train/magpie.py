@@ -9,7 +9,7 @@ more math questions after a math-tutor system prompt). Only the user turn is kep
 are generated afterwards under the target's ordinary template (its default system prompt), as a
 served request would be.
 
-    magpie_jobs(template, n, seed) -> [(key, {"id", "kind", "prefix"}, SamplingParams)]
+    magpie_jobs(tokenizer, n, seed) -> [(key, {"id", "kind", "prefix"}, SamplingParams)]
     magpie_prompts(records) -> [{"id", "kind", "messages": [{"role": "user", "content"}]}]
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 
-# None: the template's own default system prompt (about half the draws). The steering prompts
+# None: the template's own default system prompt (five draws in fourteen). The steering prompts
 # name broad kinds of chat tasks, written here, not taken from any benchmark.
 STEERS: list[tuple[str, str | None]] = [
     ("open", None), ("open", None), ("open", None), ("open", None), ("open", None),
