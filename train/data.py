@@ -227,8 +227,9 @@ def main(argv=None) -> None:
             params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
             jobs.append((f"{p['id']}:s", p, params))
     # Shuffled (outputs do not depend on order) so a run stopped early has covered every kind of
-    # prompt in proportion; document tasks (on passages, the document stream and translations)
-    # go first, being the scarcest kind and the only one that trains drafting over long contexts.
+    # prompt in proportion; every prompt but the template ones goes first: document tasks (on
+    # passages, the document stream and translations), the scarcest kind and the only one that
+    # trains drafting over long contexts, and target-written ones, the nearest to real requests.
     random.Random(args.seed + 1).shuffle(jobs)
     plain = {p["id"] for p in prompts}
     jobs.sort(key=lambda job: job[1]["id"] in plain)
