@@ -315,6 +315,60 @@ def test_eagle3_trainer_end_to_end(tiny):
         eagle3.main(base + ["--out", str(wrong / "out"), "--work-dir", str(wrong / "work"), "--init-from", str(wrong)])
 
 
+def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from models.build import ModelSource
+    from spec.shapes import get_target_aux_layer_ids
+    from train import average
+    from train.eagle3 import draft_config, new_draft, save_draft
+
+    aux_ids = get_target_aux_layer_ids(ModelSource.resolve(str(tiny["target"])).config, None)
+    tcfg = json.loads((tiny["target"] / "config.json").read_text())
+    cfg = draft_config(tcfg, 48, [i - 1 for i in aux_ids], intermediate=64)  # as wide as the target: shares its embeddings
+    d2t, t2d = common.vocab_maps(torch.arange(48), VOCAB)
+    heads = []
+    for seed in (1, 2):
+        folder = tmp_path / f"head{seed}"
+        head = new_draft(cfg, torch.randn(VOCAB, 64), None, d2t, t2d, seed=seed)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.1)  # like two fine-tunes: every weight differs
+        save_draft(head, cfg, folder, torch.float32)
+        (folder / "README.md").write_text(f"# head{seed}\n\n## Training\n\n![loss](loss.png)\n")
+        (folder / "loss.png").write_bytes(f"curve {seed}".encode())
+        heads.append(folder)
+    out = tmp_path / "avg"
+    average.main([str(h) for h in heads] + ["--weights", "1,3", "--out", str(out), "--name", "soup"])
+    first, second, mean = (load_file(str(f / "model.safetensors")) for f in (*heads, out))
+    assert set(mean) == set(first) and "d2t" in mean
+    for name, tensor in mean.items():
+        if tensor.is_floating_point():
+            torch.testing.assert_close(tensor, 0.25 * first[name] + 0.75 * second[name])
+            assert not torch.equal(first[name], second[name])
+        else:
+            assert torch.equal(tensor, first[name])
+    card = (out / "README.md").read_text()
+    assert card.startswith("# soup\n") and f"| `{heads[0]}` | 0.25 |" in card and "\n#### Training" in card and "](source2-loss.png)" in card
+    assert (out / "source2-loss.png").read_bytes() == b"curve 2"
+    prompts = _eval_conversations(tiny)
+    reference = _greedy(tiny["target"], prompts=prompts)
+    spec = _greedy(tiny["target"], out, "EAGLE3", prompts=prompts, num_steps=3)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+    # Heads of another draft vocabulary or shape cannot be averaged; the error names what differs.
+    other = tmp_path / "other_vocab"
+    save_draft(new_draft(cfg, torch.randn(VOCAB, 64), None, *common.vocab_maps(torch.arange(16, 64), VOCAB), seed=3),
+               cfg, other, torch.float32)
+    with pytest.raises(ValueError, match="tensor d2t differs"):
+        average.main([str(heads[0]), str(other), "--out", str(tmp_path / "bad")])
+    wide = dict(cfg, intermediate_size=96)
+    save_draft(new_draft(wide, torch.randn(VOCAB, 64), None, d2t, t2d, seed=4), wide, tmp_path / "wide", torch.float32)
+    with pytest.raises(ValueError, match="config field intermediate_size is 96"):
+        average.main([str(heads[0]), str(tmp_path / "wide"), "--out", str(tmp_path / "bad")])
+    with pytest.raises(ValueError, match="--weights: need 2 positive numbers"):
+        average.main([str(h) for h in heads] + ["--weights", "1,0", "--out", str(tmp_path / "bad")])
+
+
 def test_max_minutes_fits_the_step_count_to_the_budget(tiny):
     """A budget already spent when the step count is fitted (step 25) ends the run there on every
     Ray Train worker (rank 0's count is broadcast), and the head is still saved."""

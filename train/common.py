@@ -23,6 +23,9 @@ from models.build import ModelSource, build_target
 from models.packed import pack_linears
 
 DEFAULT_DATA = Path(os.environ.get("SPECGRAPH_CACHE") or Path.home() / ".cache" / "specgraph") / "train"
+# What a standalone draft folder carries of its target besides weights (it loads as a model of its own).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "generation_config.json")
 
 
 # ---- sequences ------------------------------------------------------------------------
@@ -551,6 +554,20 @@ def warm_start(folder: str, expect: dict) -> tuple[dict, dict[str, torch.Tensor]
             raise ValueError(f"--init-from {folder}: config field {field} is {have!r}, this target needs {want!r}")
     weights = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
     return config, weights
+
+
+def write_draft(out: Path, state: dict[str, torch.Tensor], config: dict, dtype: torch.dtype) -> None:
+    """A draft folder's weights and config: floating tensors cast to `dtype` (index tensors such as
+    d2t / t2d kept), written under a temporary name and renamed so that a server loading the folder
+    never reads half a file; config.json records the dtype."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: (v.detach().cpu().to(dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
+             for k, v in state.items()}
+    save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
+    os.replace(out / "model.safetensors.tmp", out / "model.safetensors")
+    os.chmod(out / "model.safetensors", 0o644)
+    (out / "config.json").write_text(json.dumps(dict(config, torch_dtype=str(dtype).replace("torch.", "")), indent=2))
 
 
 def load_warm_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], may_lack: set[str]) -> None:

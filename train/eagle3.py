@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -101,21 +100,10 @@ def new_draft(config: dict, target_embed: torch.Tensor, target_norm: torch.Tenso
 
 def save_draft(model: Eagle3Draft, config: dict, folder: Path, dtype: torch.dtype = torch.bfloat16) -> None:
     """Public EAGLE-3 layout; no embed_tokens (the target's are used)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {}
     own_embed = model.embed_tokens.weight.requires_grad
-    for name, tensor in model.state_dict().items():
-        if name.startswith(SAVE_NAMES) or (own_embed and name == "embed_tokens.weight"):
-            t = tensor.detach().cpu()
-            state[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
-    cfg = dict(config, torch_dtype=str(dtype).replace("torch.", ""))
-    save_file(state, str(folder / "model.safetensors.tmp"), metadata={"format": "pt"})
-    os.replace(folder / "model.safetensors.tmp", folder / "model.safetensors")
-    os.chmod(folder / "model.safetensors", 0o644)
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    state = {name: tensor for name, tensor in model.state_dict().items()
+             if name.startswith(SAVE_NAMES) or (own_embed and name == "embed_tokens.weight")}
+    common.write_draft(folder, state, config, dtype)
 
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:

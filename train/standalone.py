@@ -25,10 +25,6 @@ import torch.nn.functional as F
 
 from train import common, loop
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "generation_config.json")
-
-
 def student_config(target_cfg: dict, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": target_cfg["vocab_size"],
@@ -72,18 +68,11 @@ def new_student(state_dir: Path):
 
 
 def save_student(model, state_dir: Path, out: Path, dtype: torch.dtype) -> None:
-    from safetensors.torch import save_file
-
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu().to(dtype).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
-    (out / "model.safetensors.tmp").replace(out / "model.safetensors")
-    (out / "model.safetensors").chmod(0o644)
-    config = json.loads((Path(state_dir) / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(dict(config, torch_dtype=str(dtype).replace("torch.", "")), indent=2))
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to the embeddings
+    common.write_draft(out, state, json.loads((Path(state_dir) / "config.json").read_text()), dtype)
     target = Path(json.loads((Path(state_dir) / "target.json").read_text())["folder"])
-    for name in TOKENIZER_FILES:
+    for name in common.TOKENIZER_FILES:
         if (target / name).is_file():
             shutil.copy(target / name, out / name)
 
