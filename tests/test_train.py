@@ -349,7 +349,8 @@ def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny,
         else:
             assert torch.equal(tensor, first[name])
     card = (out / "README.md").read_text()
-    assert card.startswith("# soup\n") and f"| `{heads[0]}` | 0.25 |" in card and "\n#### Training" in card and "](source2-loss.png)" in card
+    assert card.startswith("# soup\n") and f"| `{heads[0]}` | 0.25 |" in card
+    assert "\n#### Training" in card and "](source2-loss.png)" in card  # source cards two levels down
     assert (out / "source2-loss.png").read_bytes() == b"curve 2"
     prompts = _eval_conversations(tiny)
     reference = _greedy(tiny["target"], prompts=prompts)
