@@ -21,7 +21,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from train import common
 
@@ -42,8 +41,7 @@ def parse_weights(text: str, count: int) -> list[float]:
 def average(sources: list[Path], weights: list[float]) -> tuple[dict, dict[str, torch.Tensor], torch.dtype]:
     """(config, averaged fp32 state, first source's dtype); ValueError naming the first config
     field or tensor where a source differs from the first."""
-    configs = [json.loads((Path(s) / "config.json").read_text()) for s in sources]
-    states = [load_file(str(Path(s) / "model.safetensors")) for s in sources]
+    configs, states = zip(*(common.read_draft(s, "sources") for s in sources))
     dtype = getattr(torch, configs[0].get("torch_dtype") or "float32")
     base = {k: v for k, v in configs[0].items() if k != "torch_dtype"}
     for source, config, state in zip(sources[1:], configs[1:], states[1:]):
@@ -61,7 +59,7 @@ def average(sources: list[Path], weights: list[float]) -> tuple[dict, dict[str, 
     merged = {}
     for name, first in states[0].items():
         if first.is_floating_point():
-            merged[name] = sum(w * s[name].float() for w, s in zip(weights, states))
+            merged[name] = sum(w * s[name] for w, s in zip(weights, states))
         else:
             merged[name] = first
     return base, merged, dtype
@@ -95,12 +93,8 @@ def main(argv=None) -> None:
     out = Path(args.out).expanduser()
     if len(sources) < 2:
         raise ValueError("sources: give at least two draft folders to average")
-    for source in sources:
-        for name in ("config.json", "model.safetensors"):
-            if not (source / name).is_file():
-                raise ValueError(f"sources: {source / name} not found (expected a draft folder)")
-        if source.resolve() == out.resolve():
-            raise ValueError(f"--out {out} is one of the sources; write the average to a new folder")
+    if any(source.resolve() == out.resolve() for source in sources):
+        raise ValueError(f"--out {out} is one of the sources; write the average to a new folder")
     weights = parse_weights(args.weights, len(sources))
     config, state, dtype = average(sources, weights)
     common.write_draft(out, state, config, dtype)

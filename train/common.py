@@ -536,23 +536,32 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--eval-max-tokens", type=int, default=128)
 
 
+def read_draft(folder: str | Path, flag: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config.json, weights with floating tensors in fp32) of a draft folder `write_draft` wrote;
+    `flag` names the argument that gave the folder in the error when a file is missing."""
+    folder = Path(folder).expanduser()
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise ValueError(f"{flag}: {folder / name} not found (expected a draft folder written by "
+                             "train.eagle3, train.standalone or train.average)")
+    config = json.loads((folder / "config.json").read_text())
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return config, weights
+
+
 def warm_start(folder: str, expect: dict) -> tuple[dict, dict[str, torch.Tensor]]:
     """--init-from: (config, float weights) of a draft folder this trainer wrote, checked against
     `expect` (config field, dotted for nested ones -> the value this target needs) so a head for
     another target fails here, naming the field, instead of training on mismatched shapes."""
-    folder = Path(folder).expanduser()
-    for name in ("config.json", "model.safetensors"):
-        if not (folder / name).is_file():
-            raise ValueError(f"--init-from: {folder / name} not found (expected a draft folder written by this trainer)")
-    config = json.loads((folder / "config.json").read_text())
+    config, weights = read_draft(folder, "--init-from")
     config.pop("torch_dtype", None)
     for field, want in expect.items():
         have = config
         for part in field.split("."):
             have = have.get(part) if isinstance(have, dict) else None
         if have != want:
-            raise ValueError(f"--init-from {folder}: config field {field} is {have!r}, this target needs {want!r}")
-    weights = {k: v.float() if v.is_floating_point() else v for k, v in load_file(str(folder / "model.safetensors")).items()}
+            raise ValueError(f"--init-from {Path(folder).expanduser()}: config field {field} is {have!r}, "
+                             f"this target needs {want!r}")
     return config, weights
 
 

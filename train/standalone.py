@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from train import common, loop
 
+
 def student_config(target_cfg: dict, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": target_cfg["vocab_size"],
