@@ -370,6 +370,63 @@ def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny,
         average.main([str(h) for h in heads] + ["--weights", "1,0", "--out", str(tmp_path / "bad")])
 
 
+def test_grown_vocabulary_keeps_the_head_and_trains_only_the_added_rows(tiny, tmp_path):
+    """--init-from a head of 16 draft ids with --draft-vocab-size 40 --only-new-rows: the old ids stay
+    in the vocabulary with their exact lm_head rows, every other tensor is unchanged, the 24 added
+    rows start as the target's output rows and train, and the grown head serves losslessly."""
+    from safetensors.torch import load_file
+
+    from models.build import ModelSource
+    from models.loader import TensorSource
+    from spec.shapes import get_target_aux_layer_ids
+    from train import eagle3
+
+    aux_ids = get_target_aux_layer_ids(ModelSource.resolve(str(tiny["target"])).config, None)
+    tcfg = json.loads((tiny["target"] / "config.json").read_text())
+    cfg = eagle3.draft_config(tcfg, 16, [i - 1 for i in aux_ids], intermediate=64)
+    old_ids = torch.arange(16) * 4 + 1  # spread over the vocabulary, so the new rows interleave with them
+    embed = TensorSource(tiny["target"]).get("model.embed_tokens.weight").float()
+    src = tmp_path / "head16"
+    head = eagle3.new_draft(cfg, embed, None, *common.vocab_maps(old_ids, VOCAB), seed=5)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)  # a trained head's rows are no longer the target's
+    eagle3.save_draft(head, cfg, src, torch.float32)
+    base = ["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--init-from", str(src), "--no-ray",
+            "--token-budget", "256", "--lr", "3e-2", "--warmup", "1", "--holdout", "0.1", "--topk", "8",
+            "--save-dtype", "fp32"]
+    out, work = tmp_path / "head40", tmp_path / "work"
+    eagle3.main(base + ["--out", str(out), "--work-dir", str(work), "--draft-vocab-size", "40", "--only-new-rows",
+                        "--max-steps", "12"])
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    new_ids = torch.arange(40) + after["d2t"]
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 40
+    assert bool(after["t2d"][old_ids].all()) and int(after["t2d"].sum()) == 40
+    kept = torch.searchsorted(new_ids, old_ids)
+    assert torch.equal(new_ids[kept], old_ids)
+    assert torch.equal(after["lm_head.weight"][kept], before["lm_head.weight"])
+    for name in before:
+        if name not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(after[name], before[name]), name
+    added = torch.ones(40, dtype=torch.bool)
+    added[kept] = False
+    trained = (after["lm_head.weight"][added] - embed[new_ids[added]]).abs().amax(dim=1)  # (24,) moved from init
+    assert bool((trained > 0).all())
+    info = json.loads((work / "data_info.json").read_text())
+    assert info["draft_vocab_grown_from"] == 16 and info["draft_vocab_coverage"] > info["draft_vocab_coverage_before"]
+    assert '"only_new_rows": true' in (out / "README.md").read_text()
+    prompts = _eval_conversations(tiny)
+    reference = _greedy(tiny["target"], prompts=prompts)
+    spec = _greedy(tiny["target"], out, "EAGLE3", prompts=prompts, num_steps=3)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+    bad = ["--out", str(tmp_path / "bad"), "--work-dir", str(tmp_path / "bad_work"), "--max-steps", "1"]
+    with pytest.raises(ValueError, match="--draft-vocab-size 8 is smaller than the --init-from head's 16"):
+        eagle3.main(base + bad + ["--draft-vocab-size", "8"])
+    with pytest.raises(ValueError, match="--only-new-rows needs a --draft-vocab-size larger"):
+        eagle3.main(base + bad + ["--only-new-rows"])
+
+
 def test_max_minutes_fits_the_step_count_to_the_budget(tiny):
     """A budget already spent when the step count is fitted (step 25) ends the run there on every
     Ray Train worker (rank 0's count is broadcast), and the head is still saved."""

@@ -41,7 +41,7 @@ def write_card(out: Path, state: Path, kind: str, target: str, args: dict) -> No
         lines.append(f"| total wall time of the command (s) | {summary['wall_s']} |")
     keep = ["epochs", "max_steps", "lr", "token_budget", "ttt_steps", "decay", "draft_vocab_size", "num_workers",
             "threads", "hidden", "layers", "temperature", "max_len", "topk", "amp", "feature_dtype", "use_gpu",
-            "online_features", "no_ray", "max_minutes"]
+            "online_features", "no_ray", "max_minutes", "only_new_rows"]
     flags = {k: args[k] for k in keep if k in args and args[k] not in (None, "", 0)}
     if flags.get("no_ray"):
         flags.pop("num_workers", None)  # --no-ray trains in this one process; the worker count is unused

@@ -85,12 +85,16 @@ def vocab_coverage(counts: torch.Tensor, ids: torch.Tensor) -> float:
     return float(counts[ids].sum()) / max(1, int(counts.sum()))
 
 
-def draft_vocab(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+def draft_vocab(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_size: int,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
     """The draft_vocab_size target ids most frequent as predicted (response) tokens, topped up
-    with prompt tokens and then the lowest ids (BPE merge order); sorted. Counts from `token_counts`."""
+    with prompt tokens and then the lowest ids (BPE merge order); sorted. Counts from `token_counts`.
+    `keep` (ids) are in it whatever their counts: a grown vocabulary keeps the one its head has."""
     vocab_size = counts.numel()
     # Lexicographic score: response count, then prompt count, then small id first.
     score = counts.double() * 1e9 + prompt_counts.double().clamp_max(1e8) + (1 - torch.arange(vocab_size) / vocab_size)
+    if keep is not None:
+        score[keep] = float("inf")
     return score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
 
 
@@ -527,8 +531,9 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--no-ray", action="store_true", help="run the loop in this process (debugging)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default="", metavar="DIR",
-                   help="start from a trained draft folder's weights (fine-tune on new data); its architecture and "
-                        "vocabulary are kept, so --hidden / --draft-vocab-size and the like are ignored")
+                   help="start from a trained draft folder's weights (fine-tune on new data); its architecture is "
+                        "kept, so --hidden and the like are ignored, and so is its vocabulary unless train.eagle3's "
+                        "--draft-vocab-size asks for a larger one")
     p.add_argument("--work-dir", default="", help="optimizer state, logs, Ray files (default: cache/train/runs/<out name>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", default="", help="jsonl of held-out prompts: measure acceptance after training")

@@ -18,14 +18,16 @@ from train import common
 def build(cfg: dict, state_dir: Path):
     """(trainable module whose forward(batch) -> (loss, [(loss_k, acc_k, n_k)]), inner model, save(final))."""
     if cfg["kind"] == "eagle3":
-        from train.eagle3 import TTTModel, new_draft, save_draft
+        from train.eagle3 import TTTModel, new_draft, save_draft, train_only_rows
 
         draft_cfg = json.loads((state_dir / "config.json").read_text())
         init = torch.load(state_dir / "init.pt", weights_only=True)
         draft = new_draft(draft_cfg, init["embed"], init.get("norm"), init["d2t"], init["t2d"], cfg["seed"])
         if "weights" in init:
-            shared = {"embed_tokens.weight"} if not draft.embed_tokens.weight.requires_grad else set()
+            shared = {"embed_tokens.weight"} if draft.shares_target_embed else set()
             common.load_warm_weights(draft, init["weights"], shared)
+        if cfg.get("only_new_rows"):
+            train_only_rows(draft, init["new_rows"])
         return TTTModel(draft, cfg["ttt_steps"], cfg["decay"]), draft, \
             lambda out, dtype: save_draft(draft, draft_cfg, out, dtype)
     from train.standalone import DistillModel, new_student, save_student
