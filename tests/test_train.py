@@ -373,11 +373,10 @@ def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny,
 def test_grown_vocabulary_keeps_the_head_and_trains_only_the_added_rows(tiny, tmp_path):
     """--init-from a head of 16 draft ids with --draft-vocab-size 40 --only-new-rows: the old ids stay
     in the vocabulary with their exact lm_head rows, every other tensor is unchanged, the 24 added
-    rows start as the target's output rows and train, and the grown head serves losslessly."""
+    rows (zero at the start) train, and the grown head serves losslessly."""
     from safetensors.torch import load_file
 
     from models.build import ModelSource
-    from models.loader import TensorSource
     from spec.shapes import get_target_aux_layer_ids
     from train import eagle3
 
@@ -385,13 +384,8 @@ def test_grown_vocabulary_keeps_the_head_and_trains_only_the_added_rows(tiny, tm
     tcfg = json.loads((tiny["target"] / "config.json").read_text())
     cfg = eagle3.draft_config(tcfg, 16, [i - 1 for i in aux_ids], intermediate=64)
     old_ids = torch.arange(16) * 4 + 1  # spread over the vocabulary, so the new rows interleave with them
-    embed = TensorSource(tiny["target"]).get("model.embed_tokens.weight").float()
     src = tmp_path / "head16"
-    head = eagle3.new_draft(cfg, embed, None, *common.vocab_maps(old_ids, VOCAB), seed=5)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn_like(p) * 0.05)  # a trained head's rows are no longer the target's
+    head = eagle3.new_draft(cfg, torch.randn(VOCAB, 64), None, *common.vocab_maps(old_ids, VOCAB), seed=5)
     eagle3.save_draft(head, cfg, src, torch.float32)
     base = ["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--init-from", str(src), "--no-ray",
             "--token-budget", "256", "--lr", "3e-2", "--warmup", "1", "--holdout", "0.1", "--topk", "8",
@@ -411,8 +405,7 @@ def test_grown_vocabulary_keeps_the_head_and_trains_only_the_added_rows(tiny, tm
             assert torch.equal(after[name], before[name]), name
     added = torch.ones(40, dtype=torch.bool)
     added[kept] = False
-    trained = (after["lm_head.weight"][added] - embed[new_ids[added]]).abs().amax(dim=1)  # (24,) moved from init
-    assert bool((trained > 0).all())
+    assert bool((after["lm_head.weight"][added].abs().amax(dim=1) > 0).all())  # every added row trained
     info = json.loads((work / "data_info.json").read_text())
     assert info["draft_vocab_grown_from"] == 16 and info["draft_vocab_coverage"] > info["draft_vocab_coverage_before"]
     assert '"only_new_rows": true' in (out / "README.md").read_text()
