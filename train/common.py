@@ -98,6 +98,11 @@ def draft_vocab(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_s
     return score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
 
 
+def vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """(Vd,) target id of each draft row, i + d2t[i]: the sorted ids `vocab_maps` was built from."""
+    return torch.arange(d2t.numel(), device=d2t.device) + d2t
+
+
 def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """d2t (target id = draft id + d2t[draft id]) and t2d (bool mask of target ids in the draft vocab)."""
     d2t = ids - torch.arange(ids.numel())
