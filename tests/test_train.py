@@ -573,6 +573,42 @@ def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path)
         == [("back_translation", True)]
 
 
+def test_held_out_document_tasks_use_passages_no_training_record_has(tiny, tmp_path):
+    """train.data --num-eval-documents: held-out passages (seed EVAL_SEED) skip every training
+    passage prompt, are answered into eval_passages.jsonl (never responses.jsonl), and their
+    tasks go to eval_documents.jsonl."""
+    import types
+
+    from graphs.config import EngineConfig
+    from graphs.engine import build_graph
+    from train.data import EVAL_SEED, held_out_document_tasks, held_out_documents, read_jsonl
+
+    args = types.SimpleNamespace(documents=200, seed=0, num_eval_documents=40, max_tokens=6)
+    train = {user_text(p["messages"]) for p in document_prompts(200, 0)}
+    assert any(user_text(p["messages"]) in train for p in document_prompts(40, EVAL_SEED))  # the streams collide
+    held = held_out_documents(40, args)
+    assert len(held) == 40 and not any(user_text(p["messages"]) in train for p in held)
+
+    args.num_eval_documents = 8
+    held = held_out_documents(8, args)
+    body = " ".join(["Some words the target wrote."] * 5)
+    records = [{"key": f"{d['id']}:g", "id": d["id"], "kind": "passage", "mode": "greedy", "prompt_ids": [1],
+                "output_ids": [2, 3], "text": f"Held-out passage {i}. {body}", "finish": "stop"}
+               for i, d in enumerate(held[:7])]
+    (tmp_path / "eval_passages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
+    try:
+        held_out_document_tasks(engine, args, tmp_path, None)
+    finally:
+        engine.shutdown()
+    assert [r["key"] for r in read_jsonl(tmp_path / "eval_passages.jsonl")[7:]] == [f"{held[7]['id']}:g"]
+    assert not (tmp_path / "responses.jsonl").exists()
+    tasks = read_jsonl(tmp_path / "eval_documents.jsonl")
+    assert sum(t["id"].startswith(f"pw{EVAL_SEED}-") for t in tasks) == 7
+    groups = [t for t in tasks if t["id"].startswith(f"mw{EVAL_SEED}-")]
+    assert [sum(f"Held-out passage {i}." in user_text(t["messages"]) for i in range(7)) for t in groups] == [2, 3]
+
+
 def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Path) -> None:
     """--init-from with lr 0: the run starts from the source draft (its first losses are the
     trained level, not a fresh head's), saves the same tensors back, and records the source."""

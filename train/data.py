@@ -13,6 +13,7 @@ self-written prompts, and writes `eval_magpie.jsonl`, held-out turns from anothe
 `--documents N --back-translations` add document tasks: N passages of the document stream, then
 summarize / extract / question prompts over one to five of them, and prompts to translate the
 target's own translations back into English; they are answered before the plain prompts.
+`--num-eval-documents N` writes `eval_documents.jsonl`, the same tasks over N held-out passages.
 """
 
 from __future__ import annotations
@@ -97,23 +98,30 @@ def whole_sentences(record: dict) -> str:
     return text[: max(text.rfind(end) for end in ".!?") + 1]
 
 
-def document_tasks(engine, prompts: list[dict], args, responses_path: Path, have: dict[str, dict],
-                   deadline: float | None) -> list[dict]:
-    """The document stream's passages (answered here, greedy, into responses_path and `have`, the
-    records already there by key) and the tasks built on them once all exist; with
-    --back-translations, prompts to translate the target's finished greedy translations back
-    into English."""
+def stream_tasks(engine, documents: list[dict], path: Path, have: dict[str, dict], seed: int, args,
+                 deadline: float | None) -> list[dict]:
+    """Passages of the document stream not answered yet go through the engine (greedy, appended to
+    path and `have`, the records already there by key); once all exist, the tasks over them:
+    one per passage and one per group of two to five (ids `pw<seed>-i`, `mw<seed>-j`)."""
     from spec.sampling import SamplingParams
 
-    documents, _ = filter_prompts(document_prompts(args.documents, args.seed))
     jobs = [(f"{p['id']}:g", p, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
             for p in documents if f"{p['id']}:g" not in have]
-    have.update(run_engine(engine, jobs, responses_path, "documents", deadline=deadline))
-    tasks = []
-    if all(f"{p['id']}:g" in have for p in documents):
-        texts = [whole_sentences(have[f"{p['id']}:g"]) for p in documents]
-        texts = [t for t in texts if len(t.split()) >= 20]
-        tasks += passage_tasks(texts, args.seed, prefix="w", single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
+    have.update(run_engine(engine, jobs, path, "documents", deadline=deadline))
+    if not all(f"{p['id']}:g" in have for p in documents):
+        return []
+    texts = [whole_sentences(have[f"{p['id']}:g"]) for p in documents]
+    texts = [t for t in texts if len(t.split()) >= 20]
+    return passage_tasks(texts, seed, prefix="w", single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
+
+
+def document_tasks(engine, prompts: list[dict], args, responses_path: Path, have: dict[str, dict],
+                   deadline: float | None) -> list[dict]:
+    """The document stream's passages (answered into responses_path) and the tasks built on them;
+    with --back-translations, prompts to translate the target's finished greedy translations back
+    into English."""
+    documents, _ = filter_prompts(document_prompts(args.documents, args.seed))
+    tasks = stream_tasks(engine, documents, responses_path, have, args.seed, args, deadline)
     if args.back_translations:
         languages = {p["id"]: lang for p in prompts if p["kind"] == "translation"
                      for lang in TRANSLATE_TO if lang in p["messages"][0]["content"]}
@@ -121,6 +129,29 @@ def document_tasks(engine, prompts: list[dict], args, responses_path: Path, have
                 if r["id"] in languages and key.endswith(":g") and r["finish"] == "stop"]
         tasks += back_translation_tasks(done, args.seed)
     return filter_prompts(tasks)[0]
+
+
+def held_out_documents(n: int, args) -> list[dict]:
+    """n passage prompts of the document stream from seed EVAL_SEED, none equal to one of the
+    training stream's (the streams draw from the same templates and collide often)."""
+    train = {p["messages"][0]["content"] for p in document_prompts(args.documents, args.seed)}
+    stream, _ = filter_prompts(document_prompts(n + args.documents, EVAL_SEED))
+    return [p for p in stream if p["messages"][0]["content"] not in train][:n]
+
+
+def held_out_document_tasks(engine, args, out: Path, deadline: float | None) -> None:
+    """--num-eval-documents: document tasks over passages no training record contains (answered
+    into eval_passages.jsonl, never responses.jsonl), written to eval_documents.jsonl for
+    measuring acceptance over long contexts."""
+    if not args.num_eval_documents:
+        return
+    path = out / "eval_passages.jsonl"
+    have = {r["key"]: r for r in read_jsonl(path)}
+    tasks = stream_tasks(engine, held_out_documents(args.num_eval_documents, args), path, have, EVAL_SEED, args,
+                         deadline)
+    with open(out / "eval_documents.jsonl", "w") as handle:
+        for p in filter_prompts(tasks)[0]:
+            handle.write(json.dumps(p) + "\n")
 
 
 def target_written_prompts(engine, args, out: Path, held_out: set[str], deadline: float | None) -> list[dict]:
@@ -166,6 +197,8 @@ def main(argv=None) -> None:
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--documents", type=int, default=0,
                         help="passages of the document stream to write, which become long document tasks")
+    parser.add_argument("--num-eval-documents", type=int, default=0,
+                        help="held-out passages of the document stream whose tasks go to eval_documents.jsonl")
     parser.add_argument("--back-translations", action="store_true",
                         help="ask to translate the target's own translations back into English")
     parser.add_argument("--magpie", type=int, default=0, help="user turns to sample from the target (train.magpie)")
@@ -205,6 +238,7 @@ def main(argv=None) -> None:
     rng = random.Random(args.seed)
 
     magpie = target_written_prompts(engine, args, out, {p["messages"][0]["content"] for p in eval_prompts}, deadline)
+    held_out_document_tasks(engine, args, out, deadline)
 
     # Stage 1: passages the target writes, which become summarize / rewrite / extract material.
     passage_prompts = [p for p in prompts if p["kind"] == "passage"]
