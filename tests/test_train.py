@@ -264,6 +264,26 @@ def test_feature_cache_computes_only_new_shards_when_data_grows(tiny, tmp_path):
     assert other[0] != first[0] and sum(computed) == 14  # other settings never reuse a shard
 
 
+def test_several_data_folders_train_together_and_keep_each_ones_split(tiny, tmp_path):
+    """--data A,B: A's sequences come first, split as they are alone (so A's cached feature
+    shards are reused and nothing trained on moves into the held-out set), then B's."""
+    import types
+
+    lines = (tiny["data"] / "responses.jsonl").read_text().splitlines()
+    other = tmp_path / "other"
+    other.mkdir()
+    renamed = [json.loads(line) | {"id": f"doc{i}"} for i, line in enumerate(lines[:12])]
+    (other / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    args = types.SimpleNamespace(data=str(tiny["data"]), max_len=64, modes="", max_sequences=0, holdout=0.25, seed=0)
+    alone = common.load_split(args)
+    args.data = f"{tiny['data']},{other}"
+    train, held = common.load_split(args)
+    assert [s.group for s in train[: len(alone[0])]] == [s.group for s in alone[0]]
+    assert [s.group for s in held[: len(alone[1])]] == [s.group for s in alone[1]]
+    added = [s.group for s in train[len(alone[0]):] + held[len(alone[1]):]]
+    assert sorted(added) == sorted(r["id"] for r in renamed)
+
+
 def test_eagle3_trainer_end_to_end(tiny):
     from models.build import ModelSource, build_draft
     from spec.algorithm import SpecAlgorithm

@@ -421,10 +421,15 @@ class Timer:
 SAVE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
+def data_dirs(args) -> list[Path]:
+    """--data: one `train.data` folder or several, comma-separated, read in that order."""
+    return [Path(d).expanduser() for d in args.data.split(",") if d]
+
+
 def load_split(args) -> tuple[list[Sequence], list[Sequence]]:
     """The run's (training, held-out) sequences from --data, --max-len, --modes, --max-sequences, --holdout."""
-    seqs = load_sequences(Path(args.data).expanduser(), args.max_len,
-                          tuple(args.modes.split(",")) if args.modes else None)
+    modes = tuple(args.modes.split(",")) if args.modes else None
+    seqs = [s for folder in data_dirs(args) for s in load_sequences(folder, args.max_len, modes)]
     if args.max_sequences:
         seqs = seqs[: args.max_sequences]
     return split_holdout(seqs, args.holdout, args.seed)
@@ -432,8 +437,8 @@ def load_split(args) -> tuple[list[Sequence], list[Sequence]]:
 
 def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Sequence],
                      held_seqs: list[Sequence]) -> FeatureSet:
-    """Target feature shards (train, held-out), cached under --data/features. Both trainers pass
-    the target's aux ids, so one target pass serves both. With --online-features nothing is
+    """Target feature shards (train, held-out), cached under the first --data folder's features/.
+    Both trainers pass the target's aux ids, so one target pass serves both. With --online-features nothing is
     computed here: the sequences go to token-only shards in the work dir and every worker runs
     the target itself on each batch (a GPU does that in a fraction of a step, with no storage)."""
     if args.online_features:
@@ -448,7 +453,9 @@ def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Seq
                                   dtype=getattr(torch, args.feature_dtype))
     # A GPU forward is cheap and mostly launch overhead at 2K tokens: give it bigger ragged batches.
     budget = 32768 if gpu else 2048
-    cache = Path(args.data).expanduser() / "features"
+    # Shards hold consecutive sequences and are named by content, so a folder added after
+    # another costs the features of its own sequences (and of one shared shard) alone.
+    cache = data_dirs(args)[0] / "features"
     shards = cache_features(featurizer, train_seqs, cache, token_budget=budget, desc="target features (train)")
     held = cache_features(featurizer, held_seqs, cache, token_budget=budget, desc="target features (held-out)") \
         if held_seqs else []
@@ -503,7 +510,8 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="", help="the draft's name, the model card's title (default: the --out folder's name)")
-    p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"))
+    p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"),
+                   help="train.data output folder, or several comma-separated (features cached under the first)")
     p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
     p.add_argument("--max-sequences", type=int, default=0)
     p.add_argument("--max-len", type=int, default=512)
