@@ -28,6 +28,8 @@ class AttentionMetadata:
     q_index:   (B, Q)      flat row of each padded query (padding points at row T, a zero row)
     out_rows:  (T,)        row of each token in the flattened (B * Q) padded queries
     padded:    False when every request has Q new tokens (T = B * Q): queries are then plain views
+    fresh_lens: new-token counts per request when no request has a prefix and every mask is
+               causal (a prefill from scratch), else None: attention then needs no gather or mask
     """
 
     positions: torch.Tensor
@@ -37,6 +39,7 @@ class AttentionMetadata:
     q_index: torch.Tensor
     out_rows: torch.Tensor
     padded: bool
+    fresh_lens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,8 @@ class AttentionMetadata:
             q_index=q_index.to(device),
             out_rows=valid_q.flatten().nonzero().flatten().to(device),
             padded=total != batch * max_q,
+            fresh_lens=new_lens if all(p.numel() == 0 for p in prefix_slots) and all(m is None for m in new_masks)
+            else None,
         )
 
 
@@ -104,6 +109,8 @@ def paged_attention(
     """
     k_cache[meta.out_slots] = k
     v_cache[meta.out_slots] = v
+    if meta.fresh_lens is not None:
+        return fresh_causal_attention(q, k, v, meta.fresh_lens, scale)
     num_tokens, heads, dim = q.shape
     batch, num_q = meta.q_index.shape
     # index_select on flat indices: several times faster than advanced indexing at decode sizes.
@@ -119,6 +126,24 @@ def paged_attention(
                            expand_kv=q.is_cuda)  # (B, Hq, Q, D)
     out = out.transpose(1, 2).reshape(batch * num_q, heads, dim)
     return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)
+
+
+def fresh_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                           scale: float) -> torch.Tensor:
+    """Prefill from scratch: q (T, Hq, D), k/v (T, Hkv, D), requests' rows consecutive, lens[b]
+    rows each -> (T, Hq, D). Every key is a new token, so each request attends over its own rows
+    with is_causal, unpadded and with no mask: SDPA's flash kernels (CPU and CUDA) then skip the
+    blocks above the diagonal, where a padded masked batch pays for every (max Q, max K) score
+    (most of a long prompt's prefill time on CPU, and every padded row's)."""
+    outs = []
+    for qb, kb, vb in zip(q.split(lens), k.split(lens), v.split(lens)):
+        qb, kb, vb = qb.transpose(0, 1).unsqueeze(0), kb.transpose(0, 1).unsqueeze(0), vb.transpose(0, 1).unsqueeze(0)
+        if q.is_cuda:
+            group = qb.shape[1] // kb.shape[1]
+            kb, vb = repeat_kv_heads(kb, group), repeat_kv_heads(vb, group)
+        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=not q.is_cuda)
+        outs.append(out[0].transpose(0, 1))  # (n_b, Hq, D)
+    return torch.cat(outs)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

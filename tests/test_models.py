@@ -345,6 +345,21 @@ def test_ragged_batch_on_every_config(pair):
         assert_close(batched[b], hf_expected(pair.hf, req), what=f"request {b}")
 
 
+def test_fresh_prefills_of_several_lengths_match_transformers(pair):
+    """Prompts prefilled from scratch together take the unpadded causal path (no prefix, no
+    tree mask) and each equals transformers; one with a prefix in the pass takes the masked one."""
+    slots, kv = Slots(seed=8), garbage_pool(pair.ours, seed=8)
+    batch = [prefill_req(rand_tokens(n, seed=20 + n), slots) for n in (5, 17, 9)]
+    meta = AttentionMetadata.build([r.prefix_slots for r in batch], [r.slots for r in batch],
+                                   torch.cat([r.positions for r in batch]), [r.mask for r in batch])
+    assert meta.fresh_lens == [5, 17, 9]
+    batched, _ = ours_forward(pair.ours, kv, batch)
+    for b, req in enumerate(batch):
+        assert_close(batched[b], hf_expected(pair.hf, req), what=f"fresh prompt {b}")
+    decode = prefill_req([3], slots, prefix=batch[0])
+    assert AttentionMetadata.build([decode.prefix_slots], [decode.slots], decode.positions, [None]).fresh_lens is None
+
+
 # --------------------------------------------------------------------------- 2. aux hidden states
 
 
