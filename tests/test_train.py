@@ -372,6 +372,12 @@ def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny,
     assert card.startswith("# soup\n") and f"| `{heads[0]}` | 0.25 |" in card
     assert "\n#### Training" in card and "](source2-loss.png)" in card  # source cards two levels down
     assert (out / "source2-loss.png").read_bytes() == b"curve 2"
+    again = tmp_path / "avg2"  # an average of an average keeps every curve, none overwritten
+    average.main([str(out), str(heads[0]), "--out", str(again), "--name", "soup2"])
+    card = (again / "README.md").read_text()
+    assert "](source1-source2-loss.png)" in card and "](source2-loss.png)" in card
+    assert (again / "source1-source2-loss.png").read_bytes() == b"curve 2"
+    assert (again / "source2-loss.png").read_bytes() == b"curve 1"
     prompts = _eval_conversations(tiny)
     reference = _greedy(tiny["target"], prompts=prompts)
     spec = _greedy(tiny["target"], out, "EAGLE3", prompts=prompts, num_steps=3)

@@ -67,16 +67,18 @@ def average(sources: list[Path], weights: list[float]) -> tuple[dict, dict[str, 
 
 def write_card(out: Path, name: str, sources: list[Path], weights: list[float]) -> None:
     """The average's card, titled `name`: sources and weights, then each source's card with its
-    headings two levels down and its loss curve copied beside it as source<i>-loss.png."""
+    headings two levels down and every image it shows copied beside it as source<i>-<file> (its
+    loss.png as source<i>-loss.png; a source that is itself an average keeps its sources' curves)."""
     lines = [f"# {name}", "", f"Weight average of {len(sources)} drafts with one architecture and draft vocabulary "
              "(`python -m train.average`):", "", "| source | weight |", "|---|---|"]
     lines += [f"| `{s}` | {w:.4g} |" for s, w in zip(sources, weights)]
     lines += ["", "Measure it with `python -m train.evaluate`; the sources' cards follow.", ""]
     for i, source in enumerate(sources, 1):
         card = (source / "README.md").read_text() if (source / "README.md").is_file() else "(no card)"
-        if (source / "loss.png").is_file():
-            shutil.copy(source / "loss.png", out / f"source{i}-loss.png")
-        card = card.replace("](loss.png)", f"](source{i}-loss.png)")
+        for image in sorted(set(re.findall(r"\]\(([\w.-]+\.png)\)", card))):
+            if (source / image).is_file():
+                shutil.copy(source / image, out / f"source{i}-{image}")
+                card = card.replace(f"]({image})", f"](source{i}-{image})")
         card = re.sub(r"^(#+) ", r"\1## ", card, flags=re.MULTILINE)  # its title under "## Source i"
         lines += [f"## Source {i}: `{source}`", "", card.strip(), ""]
     (out / "README.md").write_text("\n".join(lines))
