@@ -438,9 +438,10 @@ def load_split(args) -> tuple[list[Sequence], list[Sequence]]:
 def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Sequence],
                      held_seqs: list[Sequence]) -> FeatureSet:
     """Target feature shards (train, held-out), cached under the first --data folder's features/.
-    Both trainers pass the target's aux ids, so one target pass serves both. With --online-features nothing is
-    computed here: the sequences go to token-only shards in the work dir and every worker runs
-    the target itself on each batch (a GPU does that in a fraction of a step, with no storage)."""
+    Both trainers pass the target's aux ids, so one target pass serves both. With
+    --online-features nothing is computed here: the sequences go to token-only shards in the work
+    dir and every worker runs the target itself on each batch (a GPU does that in a fraction of a
+    step, with no storage)."""
     if args.online_features:
         folder = work_dir(args)
         folder.mkdir(parents=True, exist_ok=True)
