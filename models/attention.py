@@ -132,23 +132,21 @@ def fresh_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
                            scale: float) -> torch.Tensor:
     """Prefill from scratch: q (T, Hq, D), k/v (T, Hkv, D), requests' rows consecutive, lens[b]
     rows each -> (T, Hq, D). Every key is a new token, so each request attends over its own rows
-    with is_causal, unpadded and with no mask: SDPA's flash kernels (CPU and CUDA) then skip the
-    blocks above the diagonal, where a padded masked batch pays for every (max Q, max K) score
+    with is_causal, unpadded and with no mask: SDPA's kernels then skip the blocks above the
+    diagonal, where a padded masked batch pays for every (max Q, max K) score
     (about half of the prefill time of `train.data`'s long document prompts in a CPU profile)."""
     outs = []
     for qb, kb, vb in zip(q.split(lens), k.split(lens), v.split(lens)):
         qb, kb, vb = qb.transpose(0, 1).unsqueeze(0), kb.transpose(0, 1).unsqueeze(0), vb.transpose(0, 1).unsqueeze(0)
-        if q.is_cuda:
-            group = qb.shape[1] // kb.shape[1]
-            kb, vb = repeat_kv_heads(kb, group), repeat_kv_heads(vb, group)
-        out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=not q.is_cuda)
+        out = masked_attention(qb, kb, vb, None, scale, expand_kv=q.is_cuda)  # (1, Hq, n_b, D)
         outs.append(out[0].transpose(0, 1))  # (n_b, Hq, D)
     return torch.cat(outs)
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      expand_kv: bool) -> torch.Tensor:
-    """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D).
+    """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D); mask None:
+    causal (Q == K, every key a new token).
 
     expand_kv (the CUDA path): give every query head its own view of its KV head instead of
     SDPA's enable_gqa, and run SDPA's memory-efficient kernel. With a mask, enable_gqa falls back
@@ -157,12 +155,13 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     per call (profiled on an H200, whatever the batch: half of a decode step), where the
     memory-efficient kernel takes ~0.1 ms. On CPU, enable_gqa reads each KV head once, which is
     cheaper there."""
+    causal = mask is None
     if not expand_kv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     with sdpa_kernel(_CUDA_BACKENDS):
         return F.scaled_dot_product_attention(q, repeat_kv_heads(k, group), repeat_kv_heads(v, group),
-                                              attn_mask=mask, scale=scale)
+                                              attn_mask=mask, is_causal=causal, scale=scale)
 
 
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
