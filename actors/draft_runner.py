@@ -198,9 +198,10 @@ class DraftRunner:
         device: str = "auto",
         num_threads: int | None = None,
         ngram_branch: int = 0,
+        min_path_prob: float = 0.0,
     ):
         set_threads(num_threads)
-        self.ngram_branch = ngram_branch
+        self.ngram_branch, self.min_path_prob = ngram_branch, min_path_prob
         self.algorithm = SpecAlgorithm.from_name(algorithm)
         self.device = pick_device(device)
         self.dtype = parse_dtype(dtype, self.device)
@@ -246,7 +247,8 @@ class DraftRunner:
         """EAGLE-2 style dynamic tree: expand the `topk` best beams for `num_steps` levels,
         then keep the `tree_size - 1` candidates with the highest path probability; with
         `ngram_branch`, a prompt-lookup match is kept first (`with_branches`). `max_nodes`
-        (BatchLimits) cuts the tree to fewer nodes, and its depth with it."""
+        (BatchLimits) cuts the tree to fewer nodes, and its depth with it; `min_path_prob` cuts it
+        to the candidates at least that likely (`confident_nodes`) and stops the levels there."""
         batch, k = draft_input.num_requests, self.topk
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
@@ -274,6 +276,8 @@ class DraftRunner:
         beam_hidden = None if hidden is None else hidden.unsqueeze(1).expand(batch, k, hidden.shape[1])
         pool_size = k
         for depth in range(1, min(self.num_steps, nodes - 1)):  # no level deeper than a kept node can be
+            if float(beam_scores.max()) < self.min_path_prob:
+                break  # a child's path probability is at most its beam's: no deeper candidate would be kept
             slots = scratch[:, used : used + k]  # (B, K)
             used += k
             # EAGLE pairs the depth-d token with its parent's hidden at position L + d - 1.
@@ -305,7 +309,18 @@ class DraftRunner:
         if self.ngram_branch:
             branches = [prompt_lookup(h, self.ngram_branch, min_ngram=NGRAM_BRANCH_MIN) for h in _histories(meta)]
             pool = with_branches(*pool, branches)
+        if self.min_path_prob:
+            nodes = min(nodes, confident_nodes(pool[0], self.min_path_prob))
         return select_tree(draft_input.verified_id, seq_lens, *pool, nodes)
+
+
+def confident_nodes(scores: torch.Tensor, min_path_prob: float) -> int:
+    """Tree size (root included) that keeps every candidate of `scores` (B, P) scoring at least
+    `min_path_prob`, for the request with the most such; the batch verifies one width, so the
+    others fill theirs with their next best. 1 (the root alone, a plain decode step) when the
+    draft is unsure of every candidate: verifying rows it would likely reject costs more than
+    they save (a 4-token verify costs ~1.3 one-token steps on a 2-core CPU, `bench.runner`)."""
+    return 1 + int((scores >= min_path_prob).sum(dim=1).max())
 
 
 def select_tree(root: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,

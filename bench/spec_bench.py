@@ -30,6 +30,7 @@ PNG next to it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -83,7 +84,12 @@ def messages(prompt: str) -> list[dict[str, str]]:
 
 
 def engine_config(name: str, args) -> EngineConfig | None:
-    """EngineConfig for a named config, or None when it needs a draft that was not given."""
+    """EngineConfig for a named config, or None when it needs a draft that was not given.
+    NAME@P: a draft-model config with min_path_prob P (only drafts at least that likely are verified)."""
+    base, at, prob = name.partition("@")
+    if at:
+        cfg = engine_config(base, args)
+        return cfg if cfg is None else dataclasses.replace(cfg, min_path_prob=_probability(name, prob))
     common = dict(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_slots=args.kv_slots)
     if name == "none":
         return EngineConfig(**common)
@@ -100,6 +106,13 @@ def engine_config(name: str, args) -> EngineConfig | None:
         return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
                             num_steps=args.standalone_steps, **common) if args.draft_standalone else None
     raise ValueError(f"--configs: unknown config {name!r} (known: {', '.join(ENGINE_CONFIGS)})")
+
+
+def _probability(name: str, text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--configs: {name!r}: the part after '@' must be a number (min_path_prob)") from None
 
 
 def kv_slots_for(prompts: list[list[int]], batch_size: int, max_tokens: int) -> int:
@@ -330,8 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--per-category", type=int, default=2, help="first N questions of each category")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default=",".join(ENGINE_CONFIGS),
-                   help=f"comma-separated engine configs among {','.join(ENGINE_CONFIGS)} "
-                        "(draft configs are skipped without their draft; 'none' is always run, as the reference)")
+                   help=f"comma-separated engine configs among {','.join(ENGINE_CONFIGS)}, a draft-model one "
+                        "as NAME@P for min_path_prob P (draft configs are skipped without their draft; 'none' is always run, as the reference)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
     p.add_argument("--draft-eagle3", default=None, help="EAGLE-3 head for eagle3 / eagle3-tree")
     p.add_argument("--draft-standalone", default=None, help="small LM for standalone and hf-assisted")
@@ -362,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     for n in names:
-        if n not in ENGINE_CONFIGS:
+        if n.partition("@")[0] not in ENGINE_CONFIGS:
             raise SystemExit(f"--configs: unknown config {n!r} (known: {', '.join(ENGINE_CONFIGS)})")
     if REFERENCE in names:
         names.remove(REFERENCE)

@@ -26,6 +26,10 @@ class EngineConfig:
     eagle_topk: int = 1  # 1: chain drafting; > 1: tree drafting
     num_draft_tokens: int = 4  # tree nodes verified per step, root included (chains use num_steps + 1)
     ngram_branch: int = 0  # tree drafting: up to this many prompt-lookup tokens forced into each tree
+    # Draft-model chains and trees: verify only draft tokens whose path probability (the product
+    # of the draft's probabilities from the root) reaches this, and stop drafting deeper once no
+    # beam does. 0: every step drafts num_steps levels and verifies the full tree.
+    min_path_prob: float = 0.0
     # Big batches already fill the hardware, so extra draft rows cost more than they save
     # (actors.draft_runner.BatchLimits). Decode steps with more running requests than this (per
     # rank) verify each root alone, as vLLM's disable_by_batch_size; None: always speculate.
@@ -82,6 +86,11 @@ class EngineConfig:
         if self.ngram_branch >= self.num_draft_tokens:
             raise ValueError(f"ngram_branch must be below num_draft_tokens ({self.num_draft_tokens}), "
                              f"got {self.ngram_branch}")
+        if isinstance(self.min_path_prob, bool) or not isinstance(self.min_path_prob, (int, float)) \
+                or not 0 <= self.min_path_prob < 1:
+            raise ValueError(f"min_path_prob must be a number in [0, 1), got {self.min_path_prob!r}")
+        if self.min_path_prob and not self.algorithm.needs_draft_model:
+            raise ValueError(f"min_path_prob: {self.algorithm.name} has no draft probabilities (a draft model's do)")
         for name in ("disable_by_batch_size", "verify_budget"):
             value = getattr(self, name)
             if value is None:

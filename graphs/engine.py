@@ -48,7 +48,8 @@ def make_drafter(config: EngineConfig, **runner_kwargs):
         drafter = NgramDrafter(config.num_steps)
     else:
         drafter = DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
-                              config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch, **runner_kwargs)
+                              config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch,
+                              min_path_prob=config.min_path_prob, **runner_kwargs)
     if config.disable_by_batch_size is not None or config.verify_budget is not None:
         return BatchLimits(drafter, config.disable_by_batch_size, config.verify_budget)
     return drafter

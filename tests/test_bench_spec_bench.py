@@ -62,12 +62,25 @@ def test_spec_bench_draft_configs(tiny_target, tiny_standalone, tiny_eagle3_own,
     out = tmp_path / "drafts.json"
     result = spec_bench.main([
         "--model", str(tiny_target), "--questions", str(questions), "--per-category", "2",
-        "--max-tokens", "8", "--configs", "none,eagle3-tree,standalone,eagle3",
+        "--max-tokens", "8", "--configs", "none,eagle3-tree,standalone,eagle3,eagle3-tree@0.05",
         "--draft-eagle3", str(tiny_eagle3_own), "--draft-standalone", str(tiny_standalone),
         "--out", str(out), "--threads", "1",
     ])
-    _check(result, ["none", "eagle3-tree", "standalone", "eagle3", "hf", "hf-prompt-lookup", "hf-assisted"])
+    _check(result, ["none", "eagle3-tree", "standalone", "eagle3", "eagle3-tree@0.05", "hf", "hf-prompt-lookup",
+                    "hf-assisted"])
     assert not out.with_suffix(".png").exists()
+
+
+def test_config_at_probability_sets_min_path_prob(tiny_target, tiny_eagle3_own):
+    args = spec_bench.parse_args(["--model", str(tiny_target), "--draft-eagle3", str(tiny_eagle3_own),
+                                  "--kv-slots", "256"])
+    tree = spec_bench.engine_config("eagle3-tree@0.05", args)
+    assert tree.min_path_prob == 0.05 and tree.eagle_topk == 4
+    assert spec_bench.engine_config("eagle3-tree", args).min_path_prob == 0
+    with pytest.raises(ValueError, match="after '@' must be a number"):
+        spec_bench.engine_config("eagle3@high", args)
+    with pytest.raises(ValueError, match="min_path_prob"):
+        spec_bench.engine_config("ngram@0.1", args)
 
 
 def test_sequential_and_draft_configs_skipped_without_drafts(tiny_target, questions, tmp_path):

@@ -129,7 +129,8 @@ def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_d
                                          ("backend", "spark"), ("max_model_len", 1), ("kv_slots", 0),
                                          ("dtype", "float8"), ("ngram_branch", -1), ("ngram_branch", 6),
                                          ("disable_by_batch_size", 0), ("disable_by_batch_size", "4"),
-                                         ("verify_budget", 0)])
+                                         ("verify_budget", 0), ("min_path_prob", 1.0), ("min_path_prob", -0.1),
+                                         ("min_path_prob", "0.5")])
 def test_engine_config_validation_names_the_field(tiny_target, field, value):
     kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
               "num_draft_tokens": 6, field: value}
@@ -142,6 +143,24 @@ def test_ngram_branch_needs_a_draft_model_tree(tiny_target):
         EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3", draft_model="x", ngram_branch=2)
     with pytest.raises(ValueError, match="ngram_branch"):
         EngineConfig(model=str(tiny_target), speculative_algorithm="NGRAM", ngram_branch=2)
+
+
+def test_min_path_prob_needs_draft_probabilities(tiny_target):
+    with pytest.raises(ValueError, match="min_path_prob"):
+        EngineConfig(model=str(tiny_target), speculative_algorithm="NGRAM", min_path_prob=0.3)
+
+
+def test_confident_nodes_keep_the_likeliest_candidates_of_the_surest_request():
+    from actors.draft_runner import confident_nodes, select_tree
+
+    # Request 0 is sure of 10 (0.9) and 10 -> 12 (0.5); request 1 of nothing.
+    scores = torch.tensor([[0.9, 0.05, 0.5, 0.02], [0.3, 0.2, 0.1, 0.1]])
+    tokens = torch.tensor([[10, 11, 12, 13], [20, 21, 22, 23]])
+    parents = torch.tensor([[-1, -1, 0, 0], [-1, -1, 0, 1]])
+    assert confident_nodes(scores, 0.4) == 3  # root + request 0's two sure candidates
+    assert confident_nodes(scores, 0.95) == 1  # the root alone: a plain decode step
+    tree = select_tree(torch.tensor([5, 6]), torch.tensor([7, 7]), scores, tokens, parents, confident_nodes(scores, 0.4))
+    assert tree.draft_tokens.tolist() == [[5, 10, 12], [6, 20, 21]]  # request 1 fills the width with its best
 
 
 def test_disable_by_batch_size_needs_speculation(tiny_target):

@@ -78,6 +78,32 @@ def test_ngram_branch_stays_lossless(request, tiny_target, reference, algorithm,
     assert engine.scheduler.num_free_slots == free_before
 
 
+# Thresholds at which these random drafts' steps verify trees of several widths (2-4 / 6-8 / 3-5 nodes).
+@pytest.mark.parametrize("algorithm,draft,topk,n,prob", [("EAGLE3", "tiny_eagle3_shared", 1, 4, 0.05),
+                                                          ("EAGLE3", "tiny_eagle3_shared", 4, 8, 0.03),
+                                                          ("STANDALONE", "tiny_standalone", 2, 6, 0.05)])
+def test_min_path_prob_stays_lossless(request, tiny_target, reference, algorithm, draft, topk, n, prob):
+    engine = _engine(tiny_target, algorithm, request.getfixturevalue(draft), topk, n, 3, min_path_prob=prob)
+    free_before = engine.scheduler.num_free_slots
+    assert [o.token_ids for o in _run_all(engine)] == reference
+    assert engine.scheduler.num_free_slots == free_before
+
+
+def test_min_path_prob_verifies_only_drafts_that_likely(tiny_target, reference):
+    """The target as its own draft accepts whatever it verifies, so the verify steps count the
+    drafts kept: all of them at 0, none (plain decoding, one token a step) when no draft is that
+    likely, and in between at a threshold among its probabilities."""
+    def steps(prob):
+        outs = _run_all(_engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, min_path_prob=prob))
+        assert [o.token_ids for o in outs] == reference
+        return sum(o.num_verify_steps for o in outs)
+
+    full, plain = sum(1 + -(-(m - 1) // 5) for m in MAX_TOKENS), sum(MAX_TOKENS)
+    assert steps(0.0) == full
+    assert steps(0.999) == plain
+    assert full < steps(0.2) < plain
+
+
 def test_full_acceptance_when_draft_is_target(tiny_target, reference):
     engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
     outs = _run_all(engine)

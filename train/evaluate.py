@@ -25,7 +25,8 @@ def load_prompts(path: str | Path, n: int) -> list[list[dict]]:
 def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_path, n: int = 40,
                        max_tokens: int = 128, num_steps: int = 3, topk: int = 1, num_draft_tokens: int = 4,
                        max_running_requests: int = 32, threads: int | None = 1, dtype: str = "float32",
-                       check_against: list[list[int]] | None = None, ngram_branch: int = 0) -> dict:
+                       check_against: list[list[int]] | None = None, ngram_branch: int = 0,
+                       min_path_prob: float = 0.0) -> dict:
     import torch
 
     from graphs.config import EngineConfig
@@ -37,7 +38,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
     conversations = load_prompts(prompts_path, n)
     engine = build_graph(EngineConfig(model=target, speculative_algorithm=algorithm, draft_model=draft,
                                       num_steps=num_steps, eagle_topk=topk, num_draft_tokens=num_draft_tokens,
-                                      ngram_branch=ngram_branch,
+                                      ngram_branch=ngram_branch, min_path_prob=min_path_prob,
                                       max_running_requests=max_running_requests, num_threads=threads,
                                       dtype=dtype))
     start = time.time()
@@ -56,6 +57,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
         "decode_acceptance": round(1 + sum(accepts) / max(1, len(accepts)), 3),
         "seconds": round(seconds, 1),
         **({"ngram_branch": ngram_branch} if ngram_branch else {}),
+        **({"min_path_prob": min_path_prob} if min_path_prob else {}),
     }
     if check_against is not None:
         result["matches_reference"] = [o.token_ids for o in outs] == check_against
@@ -76,10 +78,12 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ngram-branch", type=int, default=0, help="prompt-lookup tokens forced into each tree (--topk > 1)")
+    p.add_argument("--min-path-prob", type=float, default=0.0, help="verify only draft tokens at least this likely")
     args = p.parse_args(argv)
     print(json.dumps(measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
                                         args.num_steps, args.topk, args.num_draft_tokens, threads=args.threads,
-                                        dtype=args.dtype, ngram_branch=args.ngram_branch)))
+                                        dtype=args.dtype, ngram_branch=args.ngram_branch,
+                                        min_path_prob=args.min_path_prob)))
 
 
 if __name__ == "__main__":
