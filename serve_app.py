@@ -55,10 +55,10 @@ DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 # branch (the fastest config on Spec-Bench, bf16, batch 1), any other model with prompt lookup
 # (NGRAM), which needs no draft. On a 2-core CPU full trees stop paying above 2-4 running requests;
 # a budget of 16 verify rows per step cuts them to fewer nodes as the batch grows and to roots
-# alone above 8 (bench/results/concurrency.json); a GPU host can raise it. Tree nodes less likely
-# than 3% by the draft are left out: on held-out prompts they were never the accepted ones (same
-# acceptance, 1.70x -> 1.75x over none at batch 1 on a 2-core CPU, README). Keys the user gave win
-# over these.
+# alone above 8 (bench/results/concurrency.json); a GPU host can raise it. Tree nodes the draft
+# finds less than 3% likely are left out: on held-out prompts that kept the acceptance (3.17
+# tokens/step) and went 1.70x -> 1.75x over none at batch 1 on a 2-core CPU (README). Keys the
+# user gave win over these.
 DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
                        "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "verify_budget": 16,
                        "min_path_prob": 0.03}
@@ -164,6 +164,8 @@ def apply_spec_defaults(engine: dict) -> dict:
         if "ngram_branch" not in given and (engine.get("eagle_topk") == 1
                                             or engine.get("ngram_branch", 0) >= engine.get("num_draft_tokens", 0)):
             engine.pop("ngram_branch", None)  # the default branch fits the default tree, not one the user shaped
+        if "min_path_prob" not in given and engine.get("eagle_topk") == 1:
+            engine.pop("min_path_prob", None)  # chosen for trees; chains lost speed with it (README)
     elif (draft is None and model == DEFAULT_MODEL and SpecAlgorithm.from_name(algorithm) is SpecAlgorithm.EAGLE3
           and default_draft_available()):
         engine["draft_model"] = DEFAULT_EAGLE3_DRAFT

@@ -344,7 +344,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default=",".join(ENGINE_CONFIGS),
                    help=f"comma-separated engine configs among {','.join(ENGINE_CONFIGS)}, a draft-model one "
-                        "as NAME@P for min_path_prob P (draft configs are skipped without their draft; 'none' is always run, as the reference)")
+                        "as NAME@P for min_path_prob P (draft configs are skipped without their draft; "
+                        "'none' is always run, as the reference)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
     p.add_argument("--draft-eagle3", default=None, help="EAGLE-3 head for eagle3 / eagle3-tree")
     p.add_argument("--draft-standalone", default=None, help="small LM for standalone and hf-assisted")

@@ -159,7 +159,8 @@ def test_confident_nodes_keep_the_likeliest_candidates_of_the_surest_request():
     parents = torch.tensor([[-1, -1, 0, 0], [-1, -1, 0, 1]])
     assert confident_nodes(scores, 0.4) == 3  # root + request 0's two sure candidates
     assert confident_nodes(scores, 0.95) == 1  # the root alone: a plain decode step
-    tree = select_tree(torch.tensor([5, 6]), torch.tensor([7, 7]), scores, tokens, parents, confident_nodes(scores, 0.4))
+    nodes = confident_nodes(scores, 0.4)
+    tree = select_tree(torch.tensor([5, 6]), torch.tensor([7, 7]), scores, tokens, parents, nodes)
     assert tree.draft_tokens.tolist() == [[5, 10, 12], [6, 20, 21]]  # request 1 fills the width with its best
 
 

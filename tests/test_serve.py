@@ -92,6 +92,7 @@ def test_app_args_and_deployment_options(tiny_target):
     assert split_args({"eagle_topk": 2})[0]["eagle_topk"] == 2  # what the user gave wins
     # A chain or a smaller tree the user asks for does not get the default tree's branch.
     assert "ngram_branch" not in split_args({"eagle_topk": 1})[0]
+    assert "min_path_prob" not in split_args({"eagle_topk": 1})[0]
     assert "ngram_branch" not in split_args({"num_draft_tokens": 4})[0]
     assert split_args({"num_draft_tokens": 12, "ngram_branch": 2})[0]["ngram_branch"] == 2
     assert split_args({"model": str(tiny_target), "speculative_algorithm": "NONE"})[0]["speculative_algorithm"] == "NONE"
