@@ -59,21 +59,38 @@ REFERENCE = "none"
 # ---- questions ----------------------------------------------------------------------------
 
 
-def load_questions(path: str | Path, per_category: int) -> "OrderedDict[str, list[dict]]":
-    """The first `per_category` questions of each category, categories in order of first appearance."""
+def load_questions(paths: str | Path, per_category: int) -> "OrderedDict[str, list[dict]]":
+    """The first `per_category` questions of each category, categories in order of first appearance.
+
+    `paths`: one file or several, comma-separated. Spec-Bench lines carry "category" and "turns";
+    the held-out lines `train.data` writes (`eval_*.jsonl`: "messages" holding one user message)
+    count under their file's name, so draft settings can be timed on our own held-out prompts."""
     by_cat: OrderedDict[str, list[dict]] = OrderedDict()
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            turns = item.get("turns") or []
-            if not turns or not isinstance(turns[0], str):
-                raise ValueError(f"{path}:{line_no}: 'turns' must be a non-empty list of strings")
-            bucket = by_cat.setdefault(str(item.get("category", "uncategorized")), [])
-            if len(bucket) < per_category:
-                bucket.append({"question_id": item.get("question_id", line_no), "prompt": turns[0]})
+    for path in str(paths).split(","):
+        with open(Path(path).expanduser(), encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                item = json.loads(line)
+                prompt = _first_user_turn(item, f"{path}:{line_no}")
+                bucket = by_cat.setdefault(str(item.get("category", Path(path).stem if "messages" in item
+                                                        else "uncategorized")), [])
+                if len(bucket) < per_category:
+                    bucket.append({"question_id": item.get("question_id", item.get("id", line_no)), "prompt": prompt})
     return by_cat
+
+
+def _first_user_turn(item: dict, where: str) -> str:
+    if "messages" in item:
+        messages = item["messages"]
+        if not (isinstance(messages, list) and len(messages) == 1 and messages[0].get("role") == "user"
+                and isinstance(messages[0].get("content"), str)):
+            raise ValueError(f"{where}: 'messages' must hold one user message")
+        return messages[0]["content"]
+    turns = item.get("turns") or []
+    if not turns or not isinstance(turns[0], str):
+        raise ValueError(f"{where}: 'turns' must be a non-empty list of strings")
+    return turns[0]
 
 
 def messages(prompt: str) -> list[dict[str, str]]:
@@ -339,7 +356,8 @@ def _hf_factory(name: str, args, eos_ids: list[int], shared: dict[str, Any]) -> 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.spec_bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS), help="Spec-Bench question.jsonl")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS),
+                   help="Spec-Bench question.jsonl, or train.data's held-out eval_*.jsonl files (comma-separated)")
     p.add_argument("--per-category", type=int, default=2, help="first N questions of each category")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default=",".join(ENGINE_CONFIGS),

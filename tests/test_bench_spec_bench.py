@@ -99,3 +99,18 @@ def test_load_questions_first_n_per_category_in_file_order(questions):
     loaded = spec_bench.load_questions(questions, 2)
     assert list(loaded) == list(CATEGORIES)
     assert [q["prompt"] for q in loaded["rag"]] == CATEGORIES["rag"]
+
+
+def test_load_questions_reads_held_out_files_under_their_names(questions, tmp_path):
+    """train.data's held-out prompts time draft settings without Spec-Bench: one user message a
+    line, filed under the file's name, after any Spec-Bench file listed before it."""
+    held = tmp_path / "eval_magpie.jsonl"
+    held.write_text("".join(json.dumps({"id": f"m{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) + "\n"
+                            for i in range(3)))
+    loaded = spec_bench.load_questions(f"{questions},{held}", 2)
+    assert list(loaded) == [*CATEGORIES, "eval_magpie"]
+    assert loaded["eval_magpie"] == [{"question_id": "m0", "prompt": "q0"}, {"question_id": "m1", "prompt": "q1"}]
+    bad = tmp_path / "eval_bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]}))
+    with pytest.raises(ValueError, match=r"eval_bad.jsonl:1: 'messages' must hold one user message"):
+        spec_bench.load_questions(bad, 2)

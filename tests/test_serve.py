@@ -86,7 +86,7 @@ def test_app_args_and_deployment_options(tiny_target):
     assert (default["num_steps"], default["eagle_topk"], default["num_draft_tokens"], default["ngram_branch"]) \
         == (3, 4, 8, 5)
     assert default["verify_budget"] == 16 and "disable_by_batch_size" not in default
-    assert default["min_path_prob"] == 0.03 and split_args({"min_path_prob": "0"})[0]["min_path_prob"] == 0.0
+    assert default["min_path_prob"] == 0.1 and split_args({"min_path_prob": "0"})[0]["min_path_prob"] == 0.0
     assert split_args({"verify_budget": "64"})[0]["verify_budget"] == 64
     assert split_args({"disable_by_batch_size": "4"})[0]["disable_by_batch_size"] == 4
     assert split_args({"eagle_topk": 2})[0]["eagle_topk"] == 2  # what the user gave wins
