@@ -57,8 +57,9 @@ DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 # a budget of 16 verify rows per step cuts them to fewer nodes as the batch grows and to roots
 # alone above 8 (bench/results/concurrency.json); a GPU host can raise it. Tree nodes the draft
 # finds less than 10% likely are left out: on held-out prompts, on a 2-core CPU, that went from
-# 1.14x to 1.20x over none at 4 requests a batch and from 1.62x to 1.63x at one (README). Keys the
-# user gave win over these.
+# 1.14x to 1.20x over none at 4 requests a batch and from 1.62x to 1.63x at one (README); where
+# verify rows cost little (GPUs, bf16 on AVX512-BF16/AMX CPUs) 0 may be faster. Keys the user gave
+# win over these.
 DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
                        "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "verify_budget": 16,
                        "min_path_prob": 0.1}
