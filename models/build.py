@@ -14,6 +14,7 @@ from models.llama import LlamaForCausalLM
 from models.loader import CheckpointError, TensorSource, load_config, load_weights, resolve_model
 from spec.algorithm import SpecAlgorithm
 from spec.shapes import cfg_get, get_draft_input_from_target_hidden_dim
+from spec.vocab import vocab_ids
 
 TARGET_EMBED = "model.embed_tokens.weight"
 
@@ -74,6 +75,25 @@ def _target_tensor(target: ModelSource, names: list[str], dtype: torch.dtype) ->
     raise CheckpointError(f"{target.folder}: none of {names} found (the draft shares them with the target)")
 
 
+def _vocab_maps(model: torch.nn.Module, absent: set[str], folder: Path, target_vocab: int) -> None:
+    """Checks a draft's vocabulary maps (`spec.vocab`) and fills those its checkpoint left out:
+    fine for a draft over the whole vocabulary, where each id maps to itself; an error for a
+    smaller draft vocabulary, which cannot be guessed."""
+    missing = [name for name in ("d2t", "t2d") if name in absent]
+    if missing and model.draft_vocab_size != target_vocab:
+        raise CheckpointError(
+            f"{folder}: tensor(s) {missing} missing, needed because draft_vocab_size "
+            f"{model.draft_vocab_size} differs from the target vocab_size {target_vocab}"
+        )
+    if "d2t" in absent:
+        model.d2t = torch.zeros(model.draft_vocab_size, dtype=torch.long)
+    if "t2d" in absent:
+        model.t2d = torch.ones(target_vocab, dtype=torch.bool)
+    ids = vocab_ids(model.d2t)
+    if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < target_vocab):
+        raise CheckpointError(f"{folder}: tensor 'd2t' maps draft ids outside the target's {target_vocab} ids")
+
+
 def build_draft(
     algorithm: SpecAlgorithm, draft: ModelSource, target: ModelSource, dtype: torch.dtype, device
 ) -> torch.nn.Module:
@@ -81,30 +101,24 @@ def build_draft(
     check_draft_kind(algorithm, draft)
     where = str(draft.folder / "config.json")
     source = TensorSource(draft.folder)
+    target_vocab = int(cfg_get(target.config, "vocab_size"))
     if algorithm is SpecAlgorithm.STANDALONE:
         with torch.device("meta"):
             model = StandaloneDraft(draft.config, where)
         tied = model.shape.tie_word_embeddings
-        load_weights(model, source, dtype, optional={"lm_head.weight"} if tied else set())
+        absent = load_weights(model, source, dtype, optional={"d2t"} | ({"lm_head.weight"} if tied else set()))
+        _vocab_maps(model, absent, draft.folder, target_vocab)
         if tied:
             _tie(model, model.model.embed_tokens)
+        model.keep_draft_vocab_rows()
         return model.to(device).eval()
 
-    target_vocab = int(cfg_get(target.config, "vocab_size"))
     if algorithm is SpecAlgorithm.EAGLE3:
         width = get_draft_input_from_target_hidden_dim(algorithm, target.config, draft.config)
         with torch.device("meta"):
             model = Eagle3Draft(draft.config, target_vocab, width, where)
         absent = load_weights(model, source, dtype, optional={"embed_tokens.weight", "d2t", "t2d"})
-        if {"d2t", "t2d"} & absent and model.draft_vocab_size != target_vocab:
-            raise CheckpointError(
-                f"{draft.folder}: tensors 'd2t'/'t2d' missing, needed because draft_vocab_size "
-                f"{model.draft_vocab_size} differs from the target vocab_size {target_vocab}"
-            )
-        if "d2t" in absent:
-            model.d2t = torch.zeros(model.draft_vocab_size, dtype=torch.long)
-        if "t2d" in absent:
-            model.t2d = torch.ones(target_vocab, dtype=torch.bool)
+        _vocab_maps(model, absent, draft.folder, target_vocab)
     else:
         with torch.device("meta"):
             model = EagleDraft(draft.config, where)

@@ -4,7 +4,8 @@
         (recurrent (T, Hd) | None, head_hidden (T, Hd))
     topk(head_hidden (R, Hd), k) -> (probs (R, k) float32, target-vocab ids (R, k) long)
 
-`from_target` tells EAGLE-3 whether `hidden` holds target aux rows (mapped by `fc`) or its
+EAGLE-3 heads and standalone LMs may propose from a draft vocabulary smaller than the target's
+(`draft_vocab_size`, mapped to target ids by `d2t`; `spec.vocab`). `from_target` tells EAGLE-3 whether `hidden` holds target aux rows (mapped by `fc`) or its
 own recurrent state; widths are checked by the runner against `spec/` before this is called.
 """
 
@@ -20,6 +21,7 @@ from models.config import DecoderShape, rope_parameters
 from models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from models.llama import LlamaForCausalLM
 from spec.shapes import cfg_get
+from spec.vocab import to_target, vocab_ids
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +66,7 @@ class Eagle3Draft(_SingleLayerDraft):
 
     def topk(self, head_hidden: torch.Tensor, k: int):
         probs, draft_ids = _topk(self.lm_head(head_hidden), k)
-        return probs, draft_ids + self.d2t[draft_ids]  # target id = draft id + d2t[draft id]
+        return probs, to_target(draft_ids, self.d2t)
 
 
 class Eagle3Layer(nn.Module):
@@ -122,11 +124,31 @@ class EagleLayer(nn.Module):
 
 
 class StandaloneDraft(LlamaForCausalLM):
-    """Any Llama-family LM used as a draft; carries no hidden state between steps."""
+    """Any Llama-family LM used as a draft; carries no hidden state between steps.
+
+    With a `draft_vocab_size` below vocab_size (and `d2t` in its checkpoint) it proposes only
+    those ids, a frequency-ranked hot vocabulary (as FR-Spec and SGLang's speculative token map):
+    its LM head keeps just their rows, the bulk of a small draft's weights and of what each draft
+    step reads (49152 x 256 of SmolLM2's 4-layer draft). Its inputs still embed every id."""
+
+    def __init__(self, hf_config: Any, where: str = "config.json"):
+        super().__init__(hf_config, where)
+        self.draft_vocab_size = int(cfg_get(hf_config, "draft_vocab_size", self.shape.vocab_size))
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+
+    def keep_draft_vocab_rows(self) -> None:
+        """After loading: an LM head of the draft vocabulary's rows only (copied, so a tied
+        embedding keeps every row)."""
+        if self.draft_vocab_size == self.shape.vocab_size:
+            return
+        rows = self.lm_head.weight.detach()[vocab_ids(self.d2t)]  # (Vd, H)
+        self.lm_head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, dtype=rows.dtype, device=rows.device)
+        self.lm_head.weight = nn.Parameter(rows, requires_grad=False)
 
     def draft_forward(self, input_ids, hidden, meta: AttentionMetadata, kv: KVPool, from_target: bool):
         head_hidden, _ = self(input_ids, meta, kv)
         return None, head_hidden
 
     def topk(self, head_hidden: torch.Tensor, k: int):
-        return _topk(self.logits(head_hidden), k)
+        probs, draft_ids = _topk(self.logits(head_hidden), k)
+        return probs, to_target(draft_ids, self.d2t)

@@ -129,6 +129,17 @@ def get_target_aux_layer_ids(target_config: Any, draft_config: Any) -> list[int]
     return [2, num_layers // 2, num_layers - 3]
 
 
+def _check_draft_vocab_size(algorithm: SpecAlgorithm, draft_config: Any, target_vocab: int) -> None:
+    """A draft vocabulary (`spec.vocab`; by default the draft's vocab_size) is a subset of the
+    target's: 1..vocab_size ids."""
+    reduced_vocab = int(cfg_get(draft_config, "draft_vocab_size", cfg_get(draft_config, "vocab_size", target_vocab)))
+    if not 1 <= reduced_vocab <= target_vocab:
+        raise ShapeContractError(
+            f"draft_vocab_size: {algorithm.name} draft_vocab_size {reduced_vocab} must be between 1 and the "
+            f"target vocab_size {target_vocab}"
+        )
+
+
 def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_config: Any) -> None:
     """Check a target/draft config pair before any weights load; raise naming the bad field."""
     algorithm = SpecAlgorithm.from_name(algorithm)
@@ -147,6 +158,7 @@ def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_confi
                 f"vocab_size: STANDALONE draft has vocab_size {draft_vocab}, target has {target_vocab}; "
                 "they must share the vocabulary"
             )
+        _check_draft_vocab_size(algorithm, draft_config, target_vocab)
         return
 
     if algorithm is SpecAlgorithm.EAGLE:
@@ -167,12 +179,7 @@ def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_confi
             f"target_hidden_size: EAGLE3 draft declares target_hidden_size {declared}, "
             f"but the target's hidden_size is {target_hidden}"
         )
-    reduced_vocab = int(cfg_get(draft_config, "draft_vocab_size", draft_vocab))
-    if reduced_vocab > target_vocab:
-        raise ShapeContractError(
-            f"draft_vocab_size: EAGLE3 draft_vocab_size {reduced_vocab} is larger than the target "
-            f"vocab_size {target_vocab}"
-        )
+    _check_draft_vocab_size(algorithm, draft_config, target_vocab)
     if uses_aux_hidden_states(draft_config):
         num_layers = int(cfg_get(target_config, "num_hidden_layers"))
         layer_ids = get_target_aux_layer_ids(target_config, draft_config)

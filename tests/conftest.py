@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_models import make_eagle, make_eagle3, make_llama
+from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,12 @@ def tiny_target(tiny_dir):
 def tiny_standalone(tiny_dir):
     """A narrower draft LM (hidden 32 vs the target's 64) with the same vocabulary."""
     return make_llama(tiny_dir / "standalone", hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_standalone_hot(tiny_dir, tiny_standalone):
+    """tiny_standalone proposing only the even ids (32 of 64): a hot vocabulary."""
+    return make_hot_vocab(tiny_dir / "standalone_hot", tiny_standalone, list(range(0, 64, 2)))
 
 
 @pytest.fixture(scope="session")

@@ -58,12 +58,14 @@ def test_spec_bench_none_ngram_hf_plot(tiny_target, questions, tmp_path, capsys)
     assert meta["skipped"] == {}
 
 
-def test_spec_bench_draft_configs(tiny_target, tiny_standalone, tiny_eagle3_own, questions, tmp_path):
+def test_spec_bench_draft_configs(tiny_target, tiny_standalone_hot, tiny_eagle3_own, questions, tmp_path):
+    """Every draft config and peer; the standalone draft has a hot vocabulary, which transformers'
+    assisted generation (a peer) ignores, proposing from the whole vocabulary."""
     out = tmp_path / "drafts.json"
     result = spec_bench.main([
         "--model", str(tiny_target), "--questions", str(questions), "--per-category", "2",
         "--max-tokens", "8", "--configs", "none,eagle3-tree,standalone,eagle3,eagle3-tree@0.05",
-        "--draft-eagle3", str(tiny_eagle3_own), "--draft-standalone", str(tiny_standalone),
+        "--draft-eagle3", str(tiny_eagle3_own), "--draft-standalone", str(tiny_standalone_hot),
         "--out", str(out), "--threads", "1",
     ])
     _check(result, ["none", "eagle3-tree", "standalone", "eagle3", "eagle3-tree@0.05", "hf", "hf-prompt-lookup",

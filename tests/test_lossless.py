@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from graphs import EngineConfig, SamplingParams, build_graph
+from tiny_models import make_hot_vocab
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 30, 31, 30, 31]]
 # Different lengths so requests finish at different steps.
@@ -16,6 +17,8 @@ MATRIX = [
     ("NGRAM", None, 1, 4, 3),
     ("STANDALONE", "tiny_standalone", 1, 4, 3),
     ("STANDALONE", "tiny_standalone", 2, 6, 3),
+    ("STANDALONE", "tiny_standalone_hot", 1, 4, 3),
+    ("STANDALONE", "tiny_standalone_hot", 2, 6, 3),
     ("STANDALONE", "tiny_target", 1, 5, 4),  # the target as its own draft: everything accepted
     ("STANDALONE", "tiny_target", 3, 8, 3),
     ("EAGLE", "tiny_eagle", 1, 4, 3),
@@ -110,6 +113,23 @@ def test_full_acceptance_when_draft_is_target(tiny_target, reference):
     assert [o.token_ids for o in outs] == reference
     # 1 prefill token, then 5 tokens (4 drafts + bonus) per verify step.
     assert [o.num_verify_steps for o in outs] == [1 + -(-(m - 1) // 5) for m in MAX_TOKENS]
+
+
+def test_hot_vocab_draft_proposes_target_ids(tiny_target, tiny_dir, reference):
+    """The target as its own draft, proposing only a hot vocabulary: holding every id the outputs
+    use, it is accepted in full (its draft rows map back to the right target ids); without some
+    of them, less is accepted and the output is still the target's own."""
+    used = sorted({t for out in reference for t in out})
+    assert len(used) < 64  # the hot vocabulary is a strict subset, so d2t is not the identity
+
+    def verify_steps(name, ids):
+        outs = _run_all(_engine(tiny_target, "STANDALONE", make_hot_vocab(tiny_dir / name, tiny_target, ids), 1, 5, 4))
+        assert [o.token_ids for o in outs] == reference
+        return [o.num_verify_steps for o in outs]
+
+    full = [1 + -(-(m - 1) // 5) for m in MAX_TOKENS]
+    assert verify_steps("target_hot_used", used) == full
+    assert sum(verify_steps("target_hot_partial", used[::2])) > sum(full)
 
 
 def _limited_steps(engine) -> tuple[list, list[tuple[int, int, int]]]:

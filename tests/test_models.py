@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_eagle3, make_llama
+from tiny_models import make_eagle3, make_hot_vocab, make_llama
 
 from models.attention import AttentionMetadata, KVPool
 from models.build import ModelSource, build_draft, build_target
@@ -430,6 +430,48 @@ def test_eagle3_narrow_own_embeddings_and_draft_vocab(tiny_target, tiny_eagle3_o
     assert bool((ids % 2 == 0).all()), "draft id i maps to target id 2i in this checkpoint"
     assert bool(draft.t2d[ids].all()), "every proposed target id must be in the draft vocabulary (t2d)"
     assert bool((ids.max() > 31)), "ids are target ids, not draft ids"
+
+
+def test_standalone_hot_vocab_proposes_only_its_ids(tiny_target, tiny_standalone, tiny_standalone_hot):
+    """A hot vocabulary keeps the LM head's rows of its ids only (inputs still embed every id) and
+    proposes those ids with the full draft's probabilities renormalised over them."""
+    full = build_draft(SpecAlgorithm.STANDALONE, _src(tiny_standalone), _src(tiny_target), FP32, "cpu")
+    hot = build_draft(SpecAlgorithm.STANDALONE, _src(tiny_standalone_hot), _src(tiny_target), FP32, "cpu")
+    ids = torch.arange(0, 64, 2)
+    assert hot.draft_vocab_size == 32 and hot.lm_head.weight.shape == (32, 32)
+    assert hot.model.embed_tokens.weight.shape == (64, 32)
+    assert torch.equal(hot.lm_head.weight, full.lm_head.weight[ids])
+
+    n = 6
+    tokens = torch.tensor(rand_tokens(n, 13))
+    head = {}
+    for name, draft in (("full", full), ("hot", hot)):
+        kv = draft.make_kv_pool(NUM_SLOTS, FP32, "cpu")
+        meta = AttentionMetadata.build([torch.zeros(0, dtype=torch.long)], [Slots(seed=13).take(n)], torch.arange(n), [None])
+        with torch.no_grad():
+            head[name] = draft.draft_forward(tokens, None, meta, kv, from_target=False)[1]  # (n, 32)
+    assert torch.allclose(head["full"], head["hot"])
+    with torch.no_grad():
+        probs, proposed = hot.topk(head["hot"], 4)
+        expect = full.logits(head["full"])[:, ids].softmax(-1).topk(4)
+    assert bool((proposed % 2 == 0).all()) and bool((proposed.max() > 31))  # target ids, not draft rows
+    assert torch.equal(proposed, ids[expect.indices]) and torch.allclose(probs, expect.values)
+
+
+def test_standalone_hot_vocab_without_d2t(tiny_target, tiny_standalone_hot, tmp_path):
+    draft = _copy(tiny_standalone_hot, tmp_path / "nod2t")
+    _edit_tensors(draft, lambda s: s.pop("d2t"))
+    with pytest.raises(CheckpointError, match="d2t") as err:
+        build_draft(SpecAlgorithm.STANDALONE, _src(draft), _src(tiny_target), FP32, "cpu")
+    assert "draft_vocab_size" in str(err.value) and str(draft) in str(err.value)
+
+
+def test_draft_vocab_map_outside_the_target_vocab(tiny_target, tiny_standalone_hot, tmp_path):
+    draft = _copy(tiny_standalone_hot, tmp_path / "bad")
+    _edit_tensors(draft, lambda s: s["d2t"].add_(40))
+    with pytest.raises(CheckpointError, match="d2t") as err:
+        build_draft(SpecAlgorithm.STANDALONE, _src(draft), _src(tiny_target), FP32, "cpu")
+    assert str(draft) in str(err.value)
 
 
 def test_eagle_v1_shares_embeddings_and_lm_head(tiny_target, tiny_eagle):

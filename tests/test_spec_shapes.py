@@ -243,6 +243,8 @@ EAGLE3_DRAFT = draft_fields(256, target_hidden_size=576, draft_vocab_size=8192)
 # (id, algorithm, draft fields or None, field the error must name first)
 INVALID_PAIRS = [
     ("standalone-vocab", SpecAlgorithm.STANDALONE, draft_fields(128, vocab=32000), "vocab_size"),
+    ("standalone-draft-vocab", SpecAlgorithm.STANDALONE, draft_fields(128, draft_vocab_size=50000), "draft_vocab_size"),
+    ("standalone-draft-vocab-zero", SpecAlgorithm.STANDALONE, draft_fields(128, draft_vocab_size=0), "draft_vocab_size"),
     ("eagle-hidden", SpecAlgorithm.EAGLE, draft_fields(256), "hidden_size"),
     ("eagle-vocab", SpecAlgorithm.EAGLE, draft_fields(576, vocab=32000), "vocab_size"),
     ("eagle3-target-hidden", SpecAlgorithm.EAGLE3,

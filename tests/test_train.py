@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from spec.vocab import vocab_maps
 from tiny_models import make_llama
 from train import common
 from train.decontam import SPEC_BENCH, EvalIndex, filter_prompts, load_eval_turns, user_text
@@ -182,7 +183,7 @@ def test_ttt_forward_matches_inference_draft_steps(tiny):
     tcfg = json.loads((tiny["target"] / "config.json").read_text())
     aux_ids = get_target_aux_layer_ids(target.config, None)
     ids = torch.arange(0, VOCAB, 2)
-    d2t, t2d = common.vocab_maps(ids, VOCAB)
+    d2t, t2d = vocab_maps(ids, VOCAB)
     cfg = draft_config(tcfg, len(ids), [i - 1 for i in aux_ids], hidden=32, heads=4, kv_heads=2, intermediate=64)
     embed = torch.randn(VOCAB, 32) * 0.3
     draft = new_draft(cfg, embed, None, d2t, t2d, seed=1)
@@ -229,7 +230,7 @@ def test_fresh_head_starts_from_the_deepest_aux_state(tiny):
     tcfg = json.loads((tiny["target"] / "config.json").read_text())
     aux_ids = get_target_aux_layer_ids(target.config, None)
     ids = torch.arange(VOCAB)
-    d2t, t2d = common.vocab_maps(ids, VOCAB)
+    d2t, t2d = vocab_maps(ids, VOCAB)
     embed, norm = torch.randn(VOCAB, 64), torch.rand(64) + 0.5
     aux = torch.randn(5, len(aux_ids) * 64)  # (T, num_aux * Ht)
     shared = new_draft(draft_config(tcfg, VOCAB, [i - 1 for i in aux_ids]), embed, norm, d2t, t2d)
@@ -346,7 +347,7 @@ def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny,
     aux_ids = get_target_aux_layer_ids(ModelSource.resolve(str(tiny["target"])).config, None)
     tcfg = json.loads((tiny["target"] / "config.json").read_text())
     cfg = draft_config(tcfg, 48, [i - 1 for i in aux_ids], intermediate=64)  # as wide as the target: shares its embeddings
-    d2t, t2d = common.vocab_maps(torch.arange(48), VOCAB)
+    d2t, t2d = vocab_maps(torch.arange(48), VOCAB)
     heads = []
     for seed in (1, 2):
         folder = tmp_path / f"head{seed}"
@@ -384,7 +385,7 @@ def test_average_of_two_heads_is_their_weighted_mean_and_serves_losslessly(tiny,
     assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
     # Heads of another draft vocabulary or shape cannot be averaged; the error names what differs.
     other = tmp_path / "other_vocab"
-    save_draft(new_draft(cfg, torch.randn(VOCAB, 64), None, *common.vocab_maps(torch.arange(16, 64), VOCAB), seed=3),
+    save_draft(new_draft(cfg, torch.randn(VOCAB, 64), None, *vocab_maps(torch.arange(16, 64), VOCAB), seed=3),
                cfg, other, torch.float32)
     with pytest.raises(ValueError, match="tensor d2t differs"):
         average.main([str(heads[0]), str(other), "--out", str(tmp_path / "bad")])
@@ -411,7 +412,7 @@ def test_grown_vocabulary_keeps_the_head_and_trains_only_the_added_rows(tiny, tm
     cfg = eagle3.draft_config(tcfg, 16, [i - 1 for i in aux_ids], intermediate=64)
     old_ids = torch.arange(16) * 4 + 1  # spread over the vocabulary, so the new rows interleave with them
     src = tmp_path / "head16"
-    head = eagle3.new_draft(cfg, torch.randn(VOCAB, 64), None, *common.vocab_maps(old_ids, VOCAB), seed=5)
+    head = eagle3.new_draft(cfg, torch.randn(VOCAB, 64), None, *vocab_maps(old_ids, VOCAB), seed=5)
     eagle3.save_draft(head, cfg, src, torch.float32)
     base = ["--target", str(tiny["target"]), "--data", str(tiny["data"]), "--init-from", str(src), "--no-ray",
             "--token-budget", "256", "--lr", "3e-2", "--warmup", "1", "--holdout", "0.1", "--topk", "8",
@@ -664,18 +665,55 @@ def test_standalone_trainer_end_to_end(tiny):
             "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
             "--epochs", "30", "--token-budget", "256", "--lr", "1e-2", "--warmup", "5", "--holdout", "0", "--topk", "8",
             "--no-ray", "--save-every", "15"]
-    standalone.main(base + ["--max-steps", "30"])
+    standalone.main(base + ["--max-steps", "30", "--draft-vocab-size", "24"])
     train = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert len(train) == 30 and sum(train[-5:]) / 5 < 0.8 * sum(train[:5]) / 5
     assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
     draft = build_draft(SpecAlgorithm.STANDALONE, ModelSource.resolve(out), ModelSource.resolve(tiny["target"]),
                         torch.float32, "cpu")
-    assert draft.shape.hidden_size == 32
+    assert draft.shape.hidden_size == 32 and draft.draft_vocab_size == 24 and draft.lm_head.weight.shape == (24, 32)
+    info = json.loads((work / "data_info.json").read_text())
+    assert info["draft_vocab_size"] == 24 and 0.5 < info["draft_vocab_coverage"] <= 1
     prompts = _eval_conversations(tiny)
     reference = _greedy(tiny["target"], prompts=prompts)
     spec = _greedy(tiny["target"], out, "STANDALONE", prompts=prompts, num_steps=3)
     assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+    # --init-from keeps the draft's own hot vocabulary (d2t among the tensors compared).
     _check_warm_start(standalone.main, base, out, work, tiny["root"] / "standalone_warm")
+
+
+def test_hot_vocab_gives_a_trained_draft_the_most_frequent_ids(tiny, tiny_eagle3_own):
+    """train.hot_vocab: the draft's weights unchanged, d2t naming the ids the data's responses use
+    most, a card with their coverage, and a draft that serves losslessly."""
+    from safetensors.torch import load_file
+
+    from train import hot_vocab
+
+    draft = make_llama(tiny["root"] / "hv_draft", vocab_size=VOCAB, hidden=32, layers=2, heads=2, kv_heads=1,
+                       intermediate=64, seed=7)
+    out = tiny["root"] / "hv_out"
+    hot_vocab.main([str(draft), "--out", str(out), "--draft-vocab-size", "16", "--data", str(tiny["data"]),
+                    "--holdout", "0"])
+    before, after = load_file(draft / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(after) == set(before) | {"d2t"} and all(torch.equal(before[k], after[k]) for k in before)
+    counts, _ = common.token_counts(common.load_sequences(tiny["data"], 2048), VOCAB)
+    ids = torch.arange(16) + after["d2t"]
+    assert counts[ids].min() >= counts[~torch.isin(torch.arange(VOCAB), ids)].max()  # the 16 most frequent
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 16
+    card = (out / "README.md").read_text()
+    assert card.startswith("# hv_out\n") and "| coverage |" in card and "| draft_vocab_size | 16 |" in card
+    prompts = _eval_conversations(tiny)
+    reference = _greedy(tiny["target"], prompts=prompts)
+    spec = _greedy(tiny["target"], out, "STANDALONE", prompts=prompts, num_steps=3, eagle_topk=2, num_draft_tokens=5)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+    with pytest.raises(ValueError, match="--out"):
+        hot_vocab.main([str(draft), "--out", str(draft), "--draft-vocab-size", "16", "--data", str(tiny["data"])])
+    with pytest.raises(ValueError, match="architectures"):
+        hot_vocab.main([str(tiny_eagle3_own), "--out", str(tiny["root"] / "hv_e3"), "--draft-vocab-size", "16",
+                        "--data", str(tiny["data"])])
+    with pytest.raises(ValueError, match="--draft-vocab-size"):
+        hot_vocab.main([str(draft), "--out", str(tiny["root"] / "hv_big"), "--draft-vocab-size", "65",
+                        "--data", str(tiny["data"])])
 
 
 # ---- target-written prompts (train.magpie) ------------------------------------------------------

@@ -5,10 +5,11 @@ the same code as real checkpoints."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -51,6 +52,20 @@ def make_llama(folder: Path, vocab_size: int = 64, hidden: int = 64, layers: int
     _scale_(model, std, generator)
     model.save_pretrained(folder, safe_serialization=True)
     word_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def make_hot_vocab(folder: Path, draft: Path, ids: list[int]) -> Path:
+    """A copy of the Llama folder `draft` proposing only `ids` (sorted): config `draft_vocab_size`
+    and a `d2t` tensor (target id of draft row i = i + d2t[i]), the layout train.hot_vocab writes."""
+    folder = Path(folder)
+    shutil.copytree(draft, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["draft_vocab_size"] = len(ids)
+    (folder / "config.json").write_text(json.dumps(config))
+    state = load_file(str(folder / "model.safetensors"))
+    state["d2t"] = torch.tensor(ids) - torch.arange(len(ids))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
 

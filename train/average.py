@@ -74,14 +74,19 @@ def write_card(out: Path, name: str, sources: list[Path], weights: list[float]) 
     lines += [f"| `{s}` | {w:.4g} |" for s, w in zip(sources, weights)]
     lines += ["", "Measure it with `python -m train.evaluate`; the sources' cards follow.", ""]
     for i, source in enumerate(sources, 1):
-        card = (source / "README.md").read_text() if (source / "README.md").is_file() else "(no card)"
-        for image in sorted(set(re.findall(r"\]\(([\w.-]+\.png)\)", card))):
-            if (source / image).is_file():
-                shutil.copy(source / image, out / f"source{i}-{image}")
-                card = card.replace(f"]({image})", f"](source{i}-{image})")
-        card = re.sub(r"^(#+) ", r"\1## ", card, flags=re.MULTILINE)  # its title under "## Source i"
-        lines += [f"## Source {i}: `{source}`", "", card.strip(), ""]
+        lines += [f"## Source {i}: `{source}`", "", source_card(source, out, f"source{i}-"), ""]
     (out / "README.md").write_text("\n".join(lines))
+
+
+def source_card(source: Path, out: Path, prefix: str) -> str:
+    """`source`'s card with its headings two levels down (to sit under a "## " heading of the card
+    in `out`) and every image it shows copied into `out` as prefix + file name."""
+    card = (source / "README.md").read_text() if (source / "README.md").is_file() else "(no card)"
+    for image in sorted(set(re.findall(r"\]\(([\w.-]+\.png)\)", card))):
+        if (source / image).is_file():
+            shutil.copy(source / image, out / f"{prefix}{image}")
+            card = card.replace(f"]({image})", f"]({prefix}{image})")
+    return re.sub(r"^(#+) ", r"\1## ", card, flags=re.MULTILINE).strip()
 
 
 def main(argv=None) -> None:

@@ -98,19 +98,6 @@ def draft_vocab(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_s
     return score.topk(min(draft_vocab_size, vocab_size)).indices.sort().values
 
 
-def vocab_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """(Vd,) target id of each draft row, i + d2t[i]: the sorted ids `vocab_maps` was built from."""
-    return torch.arange(d2t.numel(), device=d2t.device) + d2t
-
-
-def vocab_maps(ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """d2t (target id = draft id + d2t[draft id]) and t2d (bool mask of target ids in the draft vocab)."""
-    d2t = ids - torch.arange(ids.numel())
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[ids] = True
-    return d2t, t2d
-
-
 # ---- target features ------------------------------------------------------------------
 
 class TargetFeaturizer:
@@ -546,8 +533,8 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init-from", default="", metavar="DIR",
                    help="start from a trained draft folder's weights (fine-tune on new data); its architecture is "
-                        "kept, so --hidden and the like are ignored, and so is its vocabulary unless train.eagle3's "
-                        "--draft-vocab-size asks for a larger one")
+                        "kept, so --hidden and the like are ignored, and so is its draft vocabulary unless "
+                        "--draft-vocab-size asks for another (train.eagle3: only a larger one)")
     p.add_argument("--work-dir", default="", help="optimizer state, logs, Ray files (default: cache/train/runs/<out name>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", default="", help="jsonl of held-out prompts: measure acceptance after training")

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from models.attention import repeat_kv_heads
 from models.drafts import Eagle3Draft
 from models.layers import apply_rotary
+from spec.vocab import vocab_ids, vocab_maps
 from train import common, loop
 
 SAVE_NAMES = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
@@ -92,7 +93,7 @@ def new_draft(config: dict, target_embed: torch.Tensor, target_norm: torch.Tenso
         model.t2d.copy_(t2d)
         if shared:
             model.embed_tokens.weight.copy_(target_embed)
-            ids = common.vocab_ids(d2t)
+            ids = vocab_ids(d2t)
             model.lm_head.weight.copy_(target_embed[ids])
             if target_norm is not None:
                 model.norm.weight.copy_(target_norm)
@@ -114,7 +115,7 @@ def grow_vocab(config: dict, weights: dict[str, torch.Tensor], ids: torch.Tensor
     from the target's output rows as `new_draft` starts them (a trained head's hidden state is
     large along directions its own rows never constrained). Updates config and weights in place;
     returns (len(ids),) bool, True at added rows."""
-    old_ids = common.vocab_ids(weights["d2t"])
+    old_ids = vocab_ids(weights["d2t"])
     kept = torch.searchsorted(ids, old_ids)  # (old Vd,) new row of each old row
     if not torch.equal(ids[kept.clamp_max(ids.numel() - 1)], old_ids):
         raise ValueError("grow_vocab: the new vocabulary must contain the head's own")
@@ -122,7 +123,7 @@ def grow_vocab(config: dict, weights: dict[str, torch.Tensor], ids: torch.Tensor
     lm_head = old.new_zeros(ids.numel(), old.shape[1])
     lm_head[kept] = old
     weights["lm_head.weight"] = lm_head
-    weights["d2t"], weights["t2d"] = common.vocab_maps(ids, config["vocab_size"])
+    weights["d2t"], weights["t2d"] = vocab_maps(ids, config["vocab_size"])
     config["draft_vocab_size"] = ids.numel()
     added = torch.ones(ids.numel(), dtype=torch.bool)
     added[kept] = False
@@ -165,7 +166,7 @@ class TTTModel(nn.Module):
         self.draft, self.steps, self.decay = draft, steps, decay
         vocab = draft.t2d.numel()
         index = torch.full((vocab,), -1, dtype=torch.long)
-        target_ids = common.vocab_ids(draft.d2t)
+        target_ids = vocab_ids(draft.d2t)
         index[target_ids] = torch.arange(draft.draft_vocab_size)
         self.register_buffer("t2d_index", index, persistent=False)
 
@@ -250,7 +251,7 @@ def prepare(args) -> dict:
     if args.resume and (state_dir / "config.json").is_file():
         config = json.loads((state_dir / "config.json").read_text())  # keep the vocab the run started with
         init = torch.load(state_dir / "init.pt", weights_only=True)
-        ids = common.vocab_ids(init["d2t"])
+        ids = vocab_ids(init["d2t"])
     else:
         source = TensorSource(target.folder)
         init = {"embed": source.get("model.embed_tokens.weight").float()}
@@ -269,18 +270,18 @@ def prepare(args) -> dict:
             if args.only_new_rows and size == have:
                 raise ValueError(f"--only-new-rows needs a --draft-vocab-size larger than the --init-from head's {have}")
             if size > have:
-                own = common.vocab_ids(weights["d2t"])
+                own = vocab_ids(weights["d2t"])
                 ids = common.draft_vocab(counts, prompt_counts, size, keep=own)
                 init["new_rows"] = grow_vocab(config, weights, ids)
                 init["grown"] = {"draft_vocab_grown_from": have,
                                  "draft_vocab_coverage_before": round(common.vocab_coverage(counts, own), 4)}
             init["d2t"], init["t2d"] = weights["d2t"], weights["t2d"]
-            ids = common.vocab_ids(init["d2t"])
+            ids = vocab_ids(init["d2t"])
         else:
             if args.only_new_rows:
                 raise ValueError("--only-new-rows needs --init-from: a head whose vocabulary to grow")
             ids = common.draft_vocab(counts, prompt_counts, args.draft_vocab_size or DEFAULT_DRAFT_VOCAB)
-            init["d2t"], init["t2d"] = common.vocab_maps(ids, vocab)
+            init["d2t"], init["t2d"] = vocab_maps(ids, vocab)
             config = draft_config(target_cfg, len(ids), aux_outputs, args.hidden, args.heads, args.kv_heads,
                                   args.intermediate)
         torch.save(init, state_dir / "init.pt")

@@ -3,12 +3,15 @@ distribution on the target's own answers).
 
     python -m train.standalone --target smollm2-135m-instruct --out drafts/smollm2-135m-instruct-standalone \
         [--hidden 256 --layers 4 --heads 4 --kv-heads 2 --intermediate 768] [--epochs 2] [--resume]
+        [--draft-vocab-size 8192]
 
 The student is a small Llama with tied embeddings initialised from the target's embedding
 matrix projected onto its top `hidden` principal directions. Saved as a Hugging Face folder
 (config.json + model.safetensors + the target's tokenizer files) that
 `models.build.build_draft(STANDALONE, ...)` loads. Training runs under Ray Train like
 `train.eagle3` (shared loop in `train.loop`); target features come from the same cache.
+The student learns the whole vocabulary; `--draft-vocab-size` then has it propose only the ids
+the target writes most (`train.hot_vocab`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from spec.vocab import vocab_ids
 from train import common, loop
+from train.hot_vocab import hot_ids, with_hot_vocab
 
 
 def student_config(target_cfg: dict, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int) -> dict:
@@ -71,7 +76,11 @@ def new_student(state_dir: Path):
 def save_student(model, state_dir: Path, out: Path, dtype: torch.dtype) -> None:
     out = Path(out)
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied to the embeddings
-    common.write_draft(out, state, json.loads((Path(state_dir) / "config.json").read_text()), dtype)
+    config = json.loads((Path(state_dir) / "config.json").read_text())
+    vocab = Path(state_dir) / "draft_vocab.pt"
+    if vocab.is_file():
+        config, state = with_hot_vocab(config, state, torch.load(vocab, weights_only=True))
+    common.write_draft(out, state, config, dtype)
     target = Path(json.loads((Path(state_dir) / "target.json").read_text())["folder"])
     for name in common.TOKENIZER_FILES:
         if (target / name).is_file():
@@ -108,26 +117,40 @@ def prepare(args) -> dict:
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
     train_seqs, held_seqs = common.load_split(args)
+    vocab_size = target_cfg["vocab_size"]
     if not (args.resume and (state_dir / "config.json").is_file()):
+        hot = None  # the ids the draft will propose (sorted), or None for all
         if args.init_from:
-            config, weights = common.warm_start(args.init_from, {"vocab_size": target_cfg["vocab_size"]})
+            config, weights = common.warm_start(args.init_from, {"vocab_size": vocab_size})
+            if "d2t" in weights:  # its hot vocabulary, kept unless --draft-vocab-size asks for another
+                hot = vocab_ids(weights.pop("d2t"))
+            config.pop("draft_vocab_size", None)
             init = {"embed": weights["model.embed_tokens.weight"], "weights": weights}
         else:
             config = student_config(target_cfg, args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate)
             embed = TensorSource(target.folder).get("model.embed_tokens.weight").float()
             init = {"embed": projected_embeddings(embed, args.hidden)}
+        if args.draft_vocab_size:
+            hot, _ = hot_ids(train_seqs, vocab_size, args.draft_vocab_size)
         torch.save(init, state_dir / "init.pt")
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         (state_dir / "target.json").write_text(json.dumps({"folder": str(target.folder)}))
-        for stale in ("log.jsonl", "state.pt"):
+        for stale in ("log.jsonl", "state.pt", "draft_vocab.pt"):
             (state_dir / stale).unlink(missing_ok=True)
+        if hot is not None:
+            torch.save(hot, state_dir / "draft_vocab.pt")
     # The student needs no aux states; the same aux ids as train.eagle3 keep one shared feature cache.
     features = common.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
     c = json.loads((state_dir / "config.json").read_text())
+    vocab = {}
+    if (state_dir / "draft_vocab.pt").is_file():
+        hot = torch.load(state_dir / "draft_vocab.pt", weights_only=True)
+        counts, _ = common.token_counts(train_seqs, vocab_size)
+        vocab = {"draft_vocab_size": hot.numel(), "draft_vocab_coverage": round(common.vocab_coverage(counts, hot), 4)}
     common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from,
                            student=f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
                                    f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
-                                   f"intermediate {c['intermediate_size']}, tied embeddings")
+                                   f"intermediate {c['intermediate_size']}, tied embeddings", **vocab)
     return common.worker_config(args, "standalone", state_dir, features, ttt_steps=1, decay=1.0)
 
 
@@ -140,6 +163,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--eval-steps", type=int, default=3)
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="propose only the N ids the target writes most in the data (its LM head keeps their rows; "
+                        "see train.hot_vocab); 0: the whole vocabulary, or with --init-from the draft's own")
     return p
 
 
