@@ -5,8 +5,9 @@
     topk(head_hidden (R, Hd), k) -> (probs (R, k) float32, target-vocab ids (R, k) long)
 
 EAGLE-3 heads and standalone LMs may propose from a draft vocabulary smaller than the target's
-(`draft_vocab_size`, mapped to target ids by `d2t`; `spec.vocab`). `from_target` tells EAGLE-3 whether `hidden` holds target aux rows (mapped by `fc`) or its
-own recurrent state; widths are checked by the runner against `spec/` before this is called.
+(`draft_vocab_size`, mapped to target ids by `d2t`; `spec.vocab`). `from_target` tells EAGLE-3
+whether `hidden` holds target aux rows (mapped by `fc`) or its own recurrent state; widths are
+checked by the runner against `spec/` before this is called.
 """
 
 from __future__ import annotations
