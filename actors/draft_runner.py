@@ -276,7 +276,7 @@ class DraftRunner:
         beam_hidden = None if hidden is None else hidden.unsqueeze(1).expand(batch, k, hidden.shape[1])
         pool_size = k
         for depth in range(1, min(self.num_steps, nodes - 1)):  # no level deeper than a kept node can be
-            if float(beam_scores.max()) < self.min_path_prob:
+            if self.min_path_prob and float(beam_scores.max()) < self.min_path_prob:
                 break  # a child's path probability is at most its beam's: no deeper candidate would be kept
             slots = scratch[:, used : used + k]  # (B, K)
             used += k

@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from spec.vocab import vocab_maps
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -64,7 +66,7 @@ def make_hot_vocab(folder: Path, draft: Path, ids: list[int]) -> Path:
     config["draft_vocab_size"] = len(ids)
     (folder / "config.json").write_text(json.dumps(config))
     state = load_file(str(folder / "model.safetensors"))
-    state["d2t"] = torch.tensor(ids) - torch.arange(len(ids))
+    state["d2t"] = vocab_maps(torch.tensor(ids), config["vocab_size"])[0]
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 

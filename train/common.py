@@ -493,17 +493,23 @@ def parse_training_args(parser, argv=None):
     return args
 
 
+def add_data_args(p, max_len: int, data_help: str = "train.data output folder, or several comma-separated") -> None:
+    """The options `load_split` reads: which train.data records, cut how, split how."""
+    p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"), help=data_help)
+    p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
+    p.add_argument("--max-sequences", type=int, default=0)
+    p.add_argument("--max-len", type=int, default=max_len)
+    p.add_argument("--holdout", type=float, default=0.03)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def add_training_args(p, lr: float) -> None:
     """The command-line options every draft trainer shares (data, schedule, workers, resume, eval)."""
     p.add_argument("--target", default="smollm2-135m-instruct")
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="", help="the draft's name, the model card's title (default: the --out folder's name)")
-    p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"),
-                   help="train.data output folder, or several comma-separated (features cached under the first)")
-    p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
-    p.add_argument("--max-sequences", type=int, default=0)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--holdout", type=float, default=0.03)
+    add_data_args(p, max_len=512, data_help="train.data output folder, or several comma-separated (features cached "
+                                            "under the first)")
     p.add_argument("--topk", type=int, default=32, help="target logits kept per position (soft labels)")
     p.add_argument("--feature-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype of the target forward that computes features and labels (auto: bfloat16 where "
@@ -536,7 +542,6 @@ def add_training_args(p, lr: float) -> None:
                         "kept, so --hidden and the like are ignored, and so is its draft vocabulary unless "
                         "--draft-vocab-size asks for another (train.eagle3: only a larger one)")
     p.add_argument("--work-dir", default="", help="optimizer state, logs, Ray files (default: cache/train/runs/<out name>)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-prompts", default="", help="jsonl of held-out prompts: measure acceptance after training")
     p.add_argument("--eval-n", type=int, default=40)
     p.add_argument("--eval-max-tokens", type=int, default=128)

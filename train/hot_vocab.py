@@ -28,14 +28,11 @@ from train import common
 from train.average import source_card
 
 
-def hot_ids(seqs: list[common.Sequence], vocab_size: int, draft_vocab_size: int) -> tuple[torch.Tensor, float]:
-    """(the draft_vocab_size ids the target writes most in `seqs`, sorted; the share of the
-    response tokens they cover)."""
-    if not 1 <= draft_vocab_size <= vocab_size:
-        raise ValueError(f"--draft-vocab-size: {draft_vocab_size} must be between 1 and the vocab_size {vocab_size}")
-    counts, prompt_counts = common.token_counts(seqs, vocab_size)
-    ids = common.draft_vocab(counts, prompt_counts, draft_vocab_size)
-    return ids, common.vocab_coverage(counts, ids)
+def hot_ids(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
+    """The draft_vocab_size ids the target writes most (counts from `common.token_counts`), sorted."""
+    if not 1 <= draft_vocab_size <= counts.numel():
+        raise ValueError(f"--draft-vocab-size: {draft_vocab_size} must be between 1 and the vocab_size {counts.numel()}")
+    return common.draft_vocab(counts, prompt_counts, draft_vocab_size)
 
 
 def with_hot_vocab(config: dict, state: dict[str, torch.Tensor], ids: torch.Tensor) -> tuple[dict, dict]:
@@ -54,13 +51,7 @@ def main(argv=None) -> None:
     p.add_argument("draft", help="a standalone draft folder (config.json + model.safetensors)")
     p.add_argument("--out", required=True)
     p.add_argument("--draft-vocab-size", type=int, required=True)
-    p.add_argument("--data", default=str(common.DEFAULT_DATA / "smollm2"),
-                   help="train.data output folder, or several comma-separated")
-    p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
-    p.add_argument("--max-sequences", type=int, default=0)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--holdout", type=float, default=0.03)
-    p.add_argument("--seed", type=int, default=0)
+    common.add_data_args(p, max_len=2048)
     p.add_argument("--name", default="", help="the card's title (default: the --out folder's name)")
     args = p.parse_args(argv)
     draft, out = Path(args.draft).expanduser(), Path(args.out).expanduser()
@@ -73,7 +64,9 @@ def main(argv=None) -> None:
     train_seqs, _ = common.load_split(args)
     if not train_seqs:
         raise ValueError(f"--data: no sequences in {args.data}")
-    ids, coverage = hot_ids(train_seqs, config["vocab_size"], args.draft_vocab_size)
+    counts, prompt_counts = common.token_counts(train_seqs, config["vocab_size"])
+    ids = hot_ids(counts, prompt_counts, args.draft_vocab_size)
+    coverage = common.vocab_coverage(counts, ids)
     config, state = with_hot_vocab(config, state, ids)
     dtype = getattr(torch, config.pop("torch_dtype", None) or "float32")
     common.write_draft(out, state, config, dtype)

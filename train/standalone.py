@@ -118,6 +118,7 @@ def prepare(args) -> dict:
     target_cfg = json.loads((target.folder / "config.json").read_text())
     train_seqs, held_seqs = common.load_split(args)
     vocab_size = target_cfg["vocab_size"]
+    counts, prompt_counts = common.token_counts(train_seqs, vocab_size)
     if not (args.resume and (state_dir / "config.json").is_file()):
         hot = None  # the ids the draft will propose (sorted), or None for all
         if args.init_from:
@@ -131,7 +132,7 @@ def prepare(args) -> dict:
             embed = TensorSource(target.folder).get("model.embed_tokens.weight").float()
             init = {"embed": projected_embeddings(embed, args.hidden)}
         if args.draft_vocab_size:
-            hot, _ = hot_ids(train_seqs, vocab_size, args.draft_vocab_size)
+            hot = hot_ids(counts, prompt_counts, args.draft_vocab_size)
         torch.save(init, state_dir / "init.pt")
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         (state_dir / "target.json").write_text(json.dumps({"folder": str(target.folder)}))
@@ -145,7 +146,6 @@ def prepare(args) -> dict:
     vocab = {}
     if (state_dir / "draft_vocab.pt").is_file():
         hot = torch.load(state_dir / "draft_vocab.pt", weights_only=True)
-        counts, _ = common.token_counts(train_seqs, vocab_size)
         vocab = {"draft_vocab_size": hot.numel(), "draft_vocab_coverage": round(common.vocab_coverage(counts, hot), 4)}
     common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from,
                            student=f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
