@@ -285,6 +285,20 @@ def test_several_data_folders_train_together_and_keep_each_ones_split(tiny, tmp_
     assert sorted(added) == sorted(r["id"] for r in renamed)
 
 
+def test_max_sequences_caps_training_data_and_keeps_the_held_out_set(tiny):
+    """--max-sequences N: the first N training sequences, measured on the whole data's held-out
+    set, so runs on more or less data compare on one set."""
+    import types
+
+    args = types.SimpleNamespace(data=str(tiny["data"]), max_len=64, modes="", max_sequences=0, holdout=0.25, seed=0)
+    train, held = common.load_split(args)
+    args.max_sequences = len(train) // 2
+    few, few_held = common.load_split(args)
+    assert len(held) > 0 and len(few) == len(train) // 2 < len(train)
+    assert [s.tokens for s in few] == [s.tokens for s in train[: len(few)]]
+    assert [s.tokens for s in few_held] == [s.tokens for s in held]
+
+
 def test_eagle3_trainer_end_to_end(tiny):
     from models.build import ModelSource, build_draft
     from spec.algorithm import SpecAlgorithm

@@ -417,9 +417,10 @@ def load_split(args) -> tuple[list[Sequence], list[Sequence]]:
     """The run's (training, held-out) sequences from --data, --max-len, --modes, --max-sequences, --holdout."""
     modes = tuple(args.modes.split(",")) if args.modes else None
     seqs = [s for folder in data_dirs(args) for s in load_sequences(folder, args.max_len, modes)]
-    if args.max_sequences:
-        seqs = seqs[: args.max_sequences]
-    return split_holdout(seqs, args.holdout, args.seed)
+    train, held = split_holdout(seqs, args.holdout, args.seed)
+    # Cap the training side alone: runs on more or less data measure on one held-out set, and
+    # the first shards of features are those of the whole data's (content-named), so reused.
+    return (train[: args.max_sequences] if args.max_sequences else train), held
 
 
 def compute_features(args, aux_layer_ids: list[int] | None, train_seqs: list[Sequence],
@@ -497,7 +498,8 @@ def add_data_args(p, max_len: int, data_help: str = "train.data output folder, o
     """The options `load_split` reads: which train.data records, cut how, split how."""
     p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"), help=data_help)
     p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
-    p.add_argument("--max-sequences", type=int, default=0)
+    p.add_argument("--max-sequences", type=int, default=0,
+                   help="train on the first N training sequences (the held-out set stays whole; 0: all)")
     p.add_argument("--max-len", type=int, default=max_len)
     p.add_argument("--holdout", type=float, default=0.03)
     p.add_argument("--seed", type=int, default=0)
