@@ -105,8 +105,9 @@ def engine_config(name: str, args) -> EngineConfig | None:
     NAME@P: a draft-model config with min_path_prob P (only drafts at least that likely are verified)."""
     base, at, prob = name.partition("@")
     if at:
+        min_path_prob = _probability(name, prob)  # refused even where the draft is missing
         cfg = engine_config(base, args)
-        return cfg if cfg is None else dataclasses.replace(cfg, min_path_prob=_probability(name, prob))
+        return cfg if cfg is None else dataclasses.replace(cfg, min_path_prob=min_path_prob)
     common = dict(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_slots=args.kv_slots)
     if name == "none":
         return EngineConfig(**common)
@@ -393,9 +394,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    for n in names:
-        if n.partition("@")[0] not in ENGINE_CONFIGS:
-            raise SystemExit(f"--configs: unknown config {n!r} (known: {', '.join(ENGINE_CONFIGS)})")
     if REFERENCE in names:
         names.remove(REFERENCE)
     names = [REFERENCE] + list(dict.fromkeys(names))
@@ -419,8 +417,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     factories: OrderedDict[str, Factory] = OrderedDict()
     skipped: dict[str, str] = {}
+    # Every config is built (and a bad name refused) before any model loads.
     for name in names:
-        cfg = engine_config(name, args)
+        try:
+            cfg = engine_config(name, args)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         if cfg is None:
             skipped[name] = "needs " + ("--draft-eagle3" if name.startswith("eagle3") else "--draft-standalone")
             print(f"[spec_bench] skip {name}: {skipped[name]}", file=sys.stderr)

@@ -85,6 +85,16 @@ def test_config_at_probability_sets_min_path_prob(tiny_target, tiny_eagle3_own):
         spec_bench.engine_config("ngram@0.1", args)
 
 
+@pytest.mark.parametrize("configs, message", [("none,nope", "unknown config 'nope'"),
+                                              ("ngram,eagle3@high", "after '@' must be a number")])
+def test_bad_config_is_refused_before_any_engine_runs(tiny_target, questions, tmp_path, configs, message):
+    out = tmp_path / "r.json"
+    with pytest.raises(SystemExit, match=message):
+        spec_bench.main(["--model", str(tiny_target), "--questions", str(questions), "--configs", configs,
+                         "--no-hf", "--out", str(out)])
+    assert not out.exists()
+
+
 def test_sequential_and_draft_configs_skipped_without_drafts(tiny_target, questions, tmp_path):
     result = spec_bench.main([
         "--model", str(tiny_target), "--questions", str(questions), "--per-category", "1",
