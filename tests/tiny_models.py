@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from spec.vocab import vocab_maps
+from train.hot_vocab import with_hot_vocab
 
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
@@ -59,14 +59,12 @@ def make_llama(folder: Path, vocab_size: int = 64, hidden: int = 64, layers: int
 
 def make_hot_vocab(folder: Path, draft: Path, ids: list[int]) -> Path:
     """A copy of the Llama folder `draft` proposing only `ids` (sorted): config `draft_vocab_size`
-    and a `d2t` tensor (target id of draft row i = i + d2t[i]), the layout train.hot_vocab writes."""
+    and a `d2t` tensor, as train.hot_vocab writes them (its `with_hot_vocab`)."""
     folder = Path(folder)
     shutil.copytree(draft, folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["draft_vocab_size"] = len(ids)
+    config, state = with_hot_vocab(json.loads((folder / "config.json").read_text()),
+                                   load_file(str(folder / "model.safetensors")), torch.tensor(ids))
     (folder / "config.json").write_text(json.dumps(config))
-    state = load_file(str(folder / "model.safetensors"))
-    state["d2t"] = vocab_maps(torch.tensor(ids), config["vocab_size"])[0]
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 

@@ -499,7 +499,7 @@ def add_data_args(p, max_len: int, data_help: str = "train.data output folder, o
     p.add_argument("--data", default=str(DEFAULT_DATA / "smollm2"), help=data_help)
     p.add_argument("--modes", default="", help="comma list of record modes to use (greedy,t); default all")
     p.add_argument("--max-sequences", type=int, default=0,
-                   help="train on the first N training sequences (the held-out set stays whole; 0: all)")
+                   help="use the first N sequences of the training side (the held-out set stays whole; 0: all)")
     p.add_argument("--max-len", type=int, default=max_len)
     p.add_argument("--holdout", type=float, default=0.03)
     p.add_argument("--seed", type=int, default=0)
