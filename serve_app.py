@@ -533,7 +533,7 @@ class SpecEngine:
 
     def __init__(self, engine_kwargs: dict, settings: dict):
         from graphs.ray_graph import RayEngine
-        from graphs.engine import resolve_sources
+        from graphs.assembly import resolve_sources
         from spec.shapes import cfg_get
 
         self.config = EngineConfig(**engine_kwargs, backend="ray")

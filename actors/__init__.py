@@ -1,1 +1,3 @@
-"""Plain runner classes (TargetRunner, DraftRunner, Scheduler) and their thin Ray actor wrappers."""
+"""Plain runner classes (TargetRunner, DraftRunner, Scheduler) and their thin Ray actor wrappers.
+
+May import: spec, models."""

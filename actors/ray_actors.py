@@ -54,13 +54,13 @@ class TargetActor(_Timed):
 
 @ray.remote
 class DraftActor(_Timed):
-    """Wraps whichever drafter the algorithm needs (a model runner, n-gram lookup, or none)."""
+    """Wraps whichever drafter the algorithm needs (a model runner, n-gram lookup, or none):
+    `build(*args, **kwargs)` makes it inside the actor (the graph layer passes its factory, so this
+    layer imports nothing above it)."""
 
-    def __init__(self, config, **runner_kwargs):
-        from graphs.engine import make_drafter
-
+    def __init__(self, build, *args, **kwargs):
         self._reset_stats()
-        self.drafter = make_drafter(config, **runner_kwargs)
+        self.drafter = build(*args, **kwargs)
 
     def propose(self, step: tuple[BatchMeta, DraftInput]) -> tuple[BatchMeta, VerifyInput]:
         meta, draft_input = step

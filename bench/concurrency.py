@@ -7,7 +7,7 @@
 Each level submits that many held-out self-written prompts at once (`train.data.EVAL_SEED`,
 never Spec-Bench, so a cutoff picked from this run is not tuned on the evaluation set), greedy,
 `ignore_eos` so the batch stays full for all `--max-tokens` steps. Configs are those of
-`bench.spec_bench`; `NAME/B@N` is NAME with `verify_budget=B` and `disable_by_batch_size=N`
+`bench.configs`; `NAME/B@N` is NAME with `verify_budget=B` and `disable_by_batch_size=N`
 (either part optional). Every config is loaded first and they take turns at each level, so load
 from other processes hits them alike. Output tokens must equal `none`'s (greedy speculation is
 lossless); differing requests are counted.
@@ -20,7 +20,6 @@ import dataclasses
 import datetime as _dt
 import json
 import math
-import re
 import shlex
 import sys
 import time
@@ -29,29 +28,13 @@ from types import SimpleNamespace
 
 import torch
 
-from bench.spec_bench import REFERENCE, engine_config, kv_slots_for
+from bench.configs import REFERENCE, add_engine_args, kv_slots_for, parse_config
 from graphs import SamplingParams, build_graph
 from graphs.engine import Engine
 from models.build import ModelSource, load_tokenizer
 from train.data import EVAL_SEED, build_prompt_set
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
-
-
-CONFIG_NAME = re.compile(r"^(?P<base>[a-z0-9-]+)(?:/(?P<budget>[1-9][0-9]*))?(?:@(?P<cutoff>[1-9][0-9]*))?$")
-
-
-def parse_config(name: str, args) -> tuple[str, object]:
-    """'eagle3-tree-ngram/32@8' -> the spec_bench config with verify_budget=32 and
-    disable_by_batch_size=8 (either part may be left out)."""
-    match = CONFIG_NAME.match(name)
-    if match is None:
-        raise SystemExit(f"--configs: {name!r} is not NAME[/BUDGET][@CUTOFF] with positive integers")
-    cfg = engine_config(match["base"], args)
-    if cfg is None:
-        raise SystemExit(f"--configs: {match['base']} needs --draft-eagle3 / --draft-standalone")
-    limits = {"verify_budget": match["budget"], "disable_by_batch_size": match["cutoff"]}
-    return name, dataclasses.replace(cfg, **{k: int(v) for k, v in limits.items() if v is not None})
 
 
 def run_level(engine, conversations: list[list[dict]], max_tokens: int) -> dict:
@@ -127,19 +110,12 @@ def plot(result: dict, path: Path) -> Path:
 
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--configs", default="none,ngram,eagle3,eagle3-tree-ngram")
-    p.add_argument("--draft-eagle3", default="smollm2-135m-instruct-eagle3")
-    p.add_argument("--draft-standalone", default="smollm2-135m-instruct-standalone")
-    p.add_argument("--ngram-steps", type=int, default=4)
-    p.add_argument("--tree-steps", type=int, default=3)
-    p.add_argument("--standalone-steps", type=int, default=3)
+    add_engine_args(p, draft_eagle3="smollm2-135m-instruct-eagle3", draft_standalone="smollm2-135m-instruct-standalone",
+                    standalone_steps=3, dtype="auto")
     p.add_argument("--levels", default="1,2,4,8,16,32", help="concurrent requests, comma-separated")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--kv-slots", type=int, default=None)
     p.add_argument("--backend", default="local", choices=("local", "ray"),
                    help="ray: actors as `make serve` runs them (one CPU, so one thread, per actor)")
     p.add_argument("--out", default=str(DEFAULT_OUT))

@@ -30,7 +30,6 @@ PNG next to it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import gc
 import json
@@ -44,16 +43,15 @@ from typing import Any, Callable
 
 import torch
 
+from bench.configs import ENGINE_CONFIGS, REFERENCE, add_engine_args, engine_config, kv_slots_for
 from graphs import EngineConfig, SamplingParams, build_graph
-from graphs.engine import Engine, eos_token_ids
+from graphs.assembly import eos_token_ids
+from graphs.engine import Engine
 from models.build import ModelSource, load_tokenizer
-from models.registry import DEFAULT_MODEL
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "eval" / "spec_bench_question.jsonl"
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "spec_bench.json"
-ENGINE_CONFIGS = ("none", "ngram", "eagle3", "eagle3-tree", "eagle3-tree-ngram", "standalone")
-REFERENCE = "none"
 
 
 # ---- questions ----------------------------------------------------------------------------
@@ -95,49 +93,6 @@ def _first_user_turn(item: dict, where: str) -> str:
 
 def messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
-
-
-# ---- configs ------------------------------------------------------------------------------
-
-
-def engine_config(name: str, args) -> EngineConfig | None:
-    """EngineConfig for a named config, or None when it needs a draft that was not given.
-    NAME@P: a draft-model config with min_path_prob P (only drafts at least that likely are verified)."""
-    base, at, prob = name.partition("@")
-    if at:
-        min_path_prob = _probability(name, prob)  # refused even where the draft is missing
-        cfg = engine_config(base, args)
-        return cfg if cfg is None else dataclasses.replace(cfg, min_path_prob=min_path_prob)
-    common = dict(model=args.model, dtype=args.dtype, num_threads=args.threads, kv_slots=args.kv_slots)
-    if name == "none":
-        return EngineConfig(**common)
-    if name == "ngram":
-        return EngineConfig(speculative_algorithm="ngram", num_steps=args.ngram_steps, **common)
-    if name == "eagle3":
-        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=3,
-                            **common) if args.draft_eagle3 else None
-    if name in ("eagle3-tree", "eagle3-tree-ngram"):  # -ngram: with a prompt-lookup branch of up to 5 tokens
-        branch = 5 if name == "eagle3-tree-ngram" else 0
-        return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=args.tree_steps,
-                            eagle_topk=4, num_draft_tokens=8, ngram_branch=branch, **common) if args.draft_eagle3 else None
-    if name == "standalone":
-        return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
-                            num_steps=args.standalone_steps, **common) if args.draft_standalone else None
-    raise ValueError(f"--configs: unknown config {name!r} (known: {', '.join(ENGINE_CONFIGS)})")
-
-
-def _probability(name: str, text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"--configs: {name!r}: the part after '@' must be a number (min_path_prob)") from None
-
-
-def kv_slots_for(prompts: list[list[int]], batch_size: int, max_tokens: int) -> int:
-    """A KV pool that holds `batch_size` of the longest prompt at once: the scheduler reserves
-    prompt + max_tokens + 2 steps of verify/scratch slots per request (plus a margin)."""
-    longest = max(len(p) for p in prompts)
-    return batch_size * (longest + max_tokens + 2 * 64) + 64
 
 
 # A runner takes a list of prompt-id lists (and optionally fewer max tokens, for the warmup)
@@ -365,18 +320,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"comma-separated engine configs among {','.join(ENGINE_CONFIGS)}, a draft-model one "
                         "as NAME@P for min_path_prob P (draft configs are skipped without their draft; "
                         "'none' is always run, as the reference)")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
-    p.add_argument("--draft-eagle3", default=None, help="EAGLE-3 head for eagle3 / eagle3-tree")
-    p.add_argument("--draft-standalone", default=None, help="small LM for standalone and hf-assisted")
-    p.add_argument("--ngram-steps", type=int, default=4, help="NGRAM draft length (also HF prompt_lookup_num_tokens)")
-    p.add_argument("--standalone-steps", type=int, default=4, help="standalone draft length")
-    p.add_argument("--tree-steps", type=int, default=3,
-                   help="draft depth of eagle3-tree(-ngram); deeper lets its 8 tokens follow a confident path "
-                        "further, at one more draft forward per level (README: 5 measured no faster)")
+    add_engine_args(p)
     p.add_argument("--batch-size", type=int, default=1, help="requests submitted together (within a category)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--kv-slots", type=int, default=None, help="KV pool size (default: sized from the prompts)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baselines")

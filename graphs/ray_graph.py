@@ -11,7 +11,7 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.request import RequestOutput
-from actors.scheduler_actor import SchedulerActor
+from graphs.scheduler_actor import SchedulerActor
 from graphs.config import EngineConfig
 from graphs.engine import Engine, Messages, Prompt, resolve_sources
 from graphs.runtime import graph_bundles

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.ray_actors import DraftActor, TargetActor
 from actors.scheduler import DataParallelScheduler, Request
+from graphs.assembly import make_drafter
 from graphs.config import EngineConfig
 from graphs.executors import ActorCallExecutor, CompiledStepExecutor, RankActors, TargetOnlyExecutor
 
@@ -76,7 +77,7 @@ class GraphRuntime:
         c = self.config
         cpus = c.draft_num_cpus if c.algorithm.needs_draft_model else 0.0
         options = self._options(self.bundle_offset + 2 * rank + 1, cpus, c.draft_num_gpus)
-        return DraftActor.options(**options).remote(c, **self._runner_kwargs(cpus))
+        return DraftActor.options(**options).remote(make_drafter, c, **self._runner_kwargs(cpus))
 
     def _full_executor(self):
         if self.config.compiled_graph:

@@ -1,1 +1,3 @@
-"""Batch generation entry points for `ray job submit`."""
+"""Batch generation entry points for `ray job submit`.
+
+May import: spec, models, actors, graphs (and the other top layer's packages: bench, train, serve)."""

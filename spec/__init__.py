@@ -1,5 +1,7 @@
 """The single source of truth for speculative-decoding contracts: algorithms, hidden-state
-shapes and dtypes, and the batch-level state that travels between actors (no Ray, no model code)."""
+shapes and dtypes, and the batch-level state that travels between actors (no Ray, no model code).
+
+May import: nothing of this project (every other layer imports it)."""
 
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import concurrency
+from bench import concurrency, configs
 
 
 def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
@@ -35,6 +35,6 @@ def test_limits_must_be_positive_numbers(tiny_target, name):
 
 def test_config_names_carry_budget_and_cutoff():
     args = concurrency.parse_args(["--model", "m", "--dtype", "float32", "--kv-slots", "512"])
-    _, cfg = concurrency.parse_config("eagle3-tree-ngram/32@8", args)
+    _, cfg = configs.parse_config("eagle3-tree-ngram/32@8", args)
     assert (cfg.verify_budget, cfg.disable_by_batch_size, cfg.num_draft_tokens) == (32, 8, 8)
-    assert concurrency.parse_config("ngram/12", args)[1].verify_budget == 12
+    assert configs.parse_config("ngram/12", args)[1].verify_budget == 12

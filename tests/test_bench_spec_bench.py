@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench import spec_bench
+from bench import configs, spec_bench
 
 CATEGORIES = {"writing": ["w1 w2", "w3 w4 w5"], "rag": ["w6 w7 w6 w7", "w8 w9"]}
 
@@ -76,13 +76,13 @@ def test_spec_bench_draft_configs(tiny_target, tiny_standalone_hot, tiny_eagle3_
 def test_config_at_probability_sets_min_path_prob(tiny_target, tiny_eagle3_own):
     args = spec_bench.parse_args(["--model", str(tiny_target), "--draft-eagle3", str(tiny_eagle3_own),
                                   "--kv-slots", "256"])
-    tree = spec_bench.engine_config("eagle3-tree@0.05", args)
+    tree = configs.engine_config("eagle3-tree@0.05", args)
     assert tree.min_path_prob == 0.05 and tree.eagle_topk == 4
-    assert spec_bench.engine_config("eagle3-tree", args).min_path_prob == 0
+    assert configs.engine_config("eagle3-tree", args).min_path_prob == 0
     with pytest.raises(ValueError, match="after '@' must be a number"):
-        spec_bench.engine_config("eagle3@high", args)
+        configs.engine_config("eagle3@high", args)
     with pytest.raises(ValueError, match="min_path_prob"):
-        spec_bench.engine_config("ngram@0.1", args)
+        configs.engine_config("ngram@0.1", args)
 
 
 @pytest.mark.parametrize("configs, message", [("none,nope", "unknown config 'nope'"),

@@ -11,7 +11,7 @@ import torch
 
 from graphs import EngineConfig, SamplingParams, build_graph
 from test_train import _eval_conversations, _greedy, tiny  # noqa: F401  (tiny is a fixture)
-from train import common
+from train import runlog
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -51,7 +51,7 @@ def test_eagle3_trainer_on_gpu(tiny):
                  "--kv-heads", "2", "--intermediate", "64", "--epochs", "40", "--token-budget", "256", "--lr", "1e-2",
                  "--warmup", "5", "--max-steps", "40", "--save-every", "20", "--eval-every", "20", "--holdout", "0.1",
                  "--topk", "8", "--use-gpu", "--no-ray"])
-    train = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    train = [r["loss"] for r in runlog.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert len(train) == 40 and sum(train[-5:]) / 5 < 0.95 * sum(train[:5]) / 5
     prompts = _eval_conversations(tiny)
     reference = _greedy(tiny["target"], prompts=prompts)

@@ -17,7 +17,7 @@ import torch
 
 from spec.vocab import vocab_ids, vocab_maps
 from tiny_models import make_llama
-from train import common
+from train import cli, features, loop, runlog, sequences
 from train.decontam import SPEC_BENCH, EvalIndex, filter_prompts, load_eval_turns, user_text
 from train.prompts import (DOC_SEVERAL, DOC_SINGLE, back_translation_tasks, document_prompts, follow_up,
                            generate_prompts, passage_tasks)
@@ -109,15 +109,15 @@ def test_back_translation_joins_one_language_and_ids_name_their_text():
 
 def test_holdout_split_keeps_prompts_together_and_is_stable_as_data_grows():
     def answers(prompt_ids):  # greedy and sampled answer per prompt, as train.data writes them
-        return [common.Sequence([1, 2, 3, i], 2, f"s0-{p}") for p in prompt_ids for i in (0, 1)]
+        return [sequences.Sequence([1, 2, 3, i], 2, f"s0-{p}") for p in prompt_ids for i in (0, 1)]
 
-    train, held = common.split_holdout(answers(range(400)), 0.05)
+    train, held = sequences.split_holdout(answers(range(400)), 0.05)
     assert 0 < len(held) < 60 and not {s.group for s in train} & {s.group for s in held}
     assert all(sum(s.group == h.group for s in held) == 2 for h in held)
-    grown_train, grown_held = common.split_holdout(answers(range(1200)), 0.05)
+    grown_train, grown_held = sequences.split_holdout(answers(range(1200)), 0.05)
     assert {s.group for s in held} <= {s.group for s in grown_held}
     assert {s.group for s in train} <= {s.group for s in grown_train}
-    assert common.split_holdout(answers(range(3)), 0.01)[1]  # tiny sets still hold one prompt out
+    assert sequences.split_holdout(answers(range(3)), 0.01)[1]  # tiny sets still hold one prompt out
 
 
 # ---- tiny target and data -----------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_holdout_split_keeps_prompts_together_and_is_stable_as_data_grows():
 def tiny(tmp_path_factory):
     """An 8-layer tiny target and self-generated data (greedy + sampled) through our engine."""
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from spec.sampling import SamplingParams
     from train.data import run_engine
 
@@ -153,7 +153,7 @@ def tiny(tmp_path_factory):
 
 def _greedy(model, draft=None, algorithm=None, prompts=None, **kw):
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from spec.sampling import SamplingParams
 
     engine = build_graph(EngineConfig(model=str(model), speculative_algorithm=algorithm,
@@ -193,7 +193,7 @@ def test_ttt_forward_matches_inference_draft_steps(tiny):
     steps = 3
     model = TTTModel(draft, steps, 0.8).eval()
     tokens = torch.randint(0, VOCAB - 2, (1, 14))
-    feats = common.TargetFeaturizer(str(tiny["target"]), aux_ids, topk=4)([tokens[0].tolist()])
+    feats = features.TargetFeaturizer(str(tiny["target"]), aux_ids, topk=4)([tokens[0].tolist()])
     batch = {"tokens": tokens, "valid": torch.ones_like(tokens, dtype=torch.bool),
              "loss_mask": torch.ones_like(tokens, dtype=torch.bool), "aux": feats["aux"].float().unsqueeze(0),
              "topk_ids": feats["topk_ids"].long().unsqueeze(0), "topk_logits": feats["topk_logits"].float().unsqueeze(0)}
@@ -247,21 +247,21 @@ def test_feature_cache_computes_only_new_shards_when_data_grows(tiny, tmp_path):
 
     computed: list[int] = []
 
-    class Counting(common.TargetFeaturizer):
+    class Counting(features.TargetFeaturizer):
         def __call__(self, seqs):
             computed.append(len(seqs))
             return super().__call__(seqs)
 
     aux_ids = get_target_aux_layer_ids(ModelSource.resolve(str(tiny["target"])).config, None)
     featurizer = Counting(str(tiny["target"]), aux_ids, topk=4)
-    seqs = common.load_sequences(tiny["data"])
-    first = common.cache_features(featurizer, seqs[:8], tmp_path, shard_size=4)
+    seqs = sequences.load_sequences(tiny["data"])
+    first = features.cache_features(featurizer, seqs[:8], tmp_path, shard_size=4)
     assert len(first) == 2 and sum(computed) == 8
-    grown = common.cache_features(featurizer, seqs[:10], tmp_path, shard_size=4)
+    grown = features.cache_features(featurizer, seqs[:10], tmp_path, shard_size=4)
     assert grown[:2] == first and sum(computed) == 10  # only the two appended sequences
-    examples = common.load_examples(grown)
+    examples = features.load_examples(grown)
     assert [e.tokens.tolist() for e in examples] == [s.tokens for s in seqs[:10]]
-    other = common.cache_features(Counting(str(tiny["target"]), aux_ids, topk=2), seqs[:4], tmp_path, shard_size=4)
+    other = features.cache_features(Counting(str(tiny["target"]), aux_ids, topk=2), seqs[:4], tmp_path, shard_size=4)
     assert other[0] != first[0] and sum(computed) == 14  # other settings never reuse a shard
 
 
@@ -276,9 +276,9 @@ def test_several_data_folders_train_together_and_keep_each_ones_split(tiny, tmp_
     renamed = [json.loads(line) | {"id": f"doc{i}"} for i, line in enumerate(lines[:12])]
     (other / "responses.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
     args = types.SimpleNamespace(data=str(tiny["data"]), max_len=64, modes="", max_sequences=0, holdout=0.25, seed=0)
-    alone = common.load_split(args)
+    alone = cli.load_split(args)
     args.data = f"{tiny['data']},{other}"
-    train, held = common.load_split(args)
+    train, held = cli.load_split(args)
     assert [s.group for s in train[: len(alone[0])]] == [s.group for s in alone[0]]
     assert [s.group for s in held[: len(alone[1])]] == [s.group for s in alone[1]]
     added = [s.group for s in train[len(alone[0]):] + held[len(alone[1]):]]
@@ -291,9 +291,9 @@ def test_max_sequences_caps_training_data_and_keeps_the_held_out_set(tiny):
     import types
 
     args = types.SimpleNamespace(data=str(tiny["data"]), max_len=64, modes="", max_sequences=0, holdout=0.25, seed=0)
-    train, held = common.load_split(args)
+    train, held = cli.load_split(args)
     args.max_sequences = len(train) // 2
-    few, few_held = common.load_split(args)
+    few, few_held = cli.load_split(args)
     assert len(held) > 0 and len(few) == len(train) // 2 < len(train)
     assert [s.tokens for s in few] == [s.tokens for s in train[: len(few)]]
     assert [s.tokens for s in few_held] == [s.tokens for s in held]
@@ -312,7 +312,7 @@ def test_eagle3_trainer_end_to_end(tiny):
     args = base + ["--max-steps", "40", "--num-workers", "2", "--eval-prompts", str(tiny["eval_prompts"]),
                    "--eval-n", "3", "--eval-max-tokens", "12"]
     eagle3.main(args)
-    log = common.read_log(work / "log.jsonl")
+    log = runlog.read_log(work / "log.jsonl")
     train = [r["loss"] for r in log if r["kind"] == "train"]
     assert len(train) == 40
     assert sum(train[-5:]) / 5 < 0.95 * sum(train[:5]) / 5
@@ -338,9 +338,9 @@ def test_eagle3_trainer_end_to_end(tiny):
     # Resume continues from the saved step (40) and adds the remaining ones; steps an interrupted
     # run logged after its last checkpoint are trained again and logged once.
     for lost in (41, 42):
-        common.append_log(work / "log.jsonl", {"kind": "train", "step": lost, "loss": 0.0})
+        runlog.append_log(work / "log.jsonl", {"kind": "train", "step": lost, "loss": 0.0})
     eagle3.main(base + ["--max-steps", "44", "--no-ray", "--resume"])
-    steps = [r["step"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    steps = [r["step"] for r in runlog.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 45))
     _check_warm_start(eagle3.main, base, out, work, tiny["root"] / "eagle3_warm")
     wrong = tiny["root"] / "eagle3_wrong_target"
@@ -471,7 +471,7 @@ def test_max_minutes_fits_the_step_count_to_the_budget(tiny):
                  "--draft-vocab-size", "48", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64",
                  "--epochs", "60", "--token-budget", "256", "--warmup", "5", "--holdout", "0", "--topk", "8",
                  "--max-steps", "60", "--max-minutes", "1e-6", "--save-every", "1000", "--num-workers", "2"])
-    train = [r for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    train = [r for r in runlog.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, 26))
     assert (out / "model.safetensors").is_file()
 
@@ -490,7 +490,7 @@ def test_online_features_train_like_cached_ones(tiny):
                      "--kv-heads", "2", "--intermediate", "64", "--token-budget", "256", "--warmup", "2", "--topk", "8",
                      "--holdout", "0.1", "--max-steps", "6", "--save-every", "3", "--eval-every", "3",
                      "--feature-dtype", "float32", "--amp", "off", "--no-ray"] + (["--online-features"] if mode == "online" else []))
-        logs[mode] = common.read_log(work / "log.jsonl")
+        logs[mode] = runlog.read_log(work / "log.jsonl")
     for kind in ("train", "eval"):
         cached, online = ([r["loss"] for r in logs[m] if r["kind"] == kind] for m in ("cached", "online"))
         assert len(online) == {"train": 6, "eval": 2}[kind]
@@ -502,7 +502,7 @@ def test_online_features_train_like_cached_ones(tiny):
                  "--work-dir", str(work), "--draft-vocab-size", "48", "--hidden", "32", "--heads", "4", "--kv-heads", "2",
                  "--intermediate", "64", "--token-budget", "256", "--topk", "8", "--holdout", "0.1", "--max-steps", "2",
                  "--save-every", "2", "--eval-every", "2", "--online-features", "--no-ray"])
-    assert [r["kind"] for r in common.read_log(work / "log.jsonl")] == ["train", "train", "eval"]
+    assert [r["kind"] for r in runlog.read_log(work / "log.jsonl")] == ["train", "train", "eval"]
 
 
 def _resident_bytes() -> int:
@@ -519,7 +519,7 @@ def test_trim_heap_returns_freed_batch_memory_to_the_os():
     kept = tensors[::50]
     del tensors
     before = _resident_bytes()
-    common.trim_heap()
+    loop.trim_heap()
     assert before - _resident_bytes() > 100 * 2**20
     assert all(int(t[0]) == 1 for t in kept)
 
@@ -532,16 +532,16 @@ def test_auto_training_dtypes_follow_native_bf16(monkeypatch, native):
     from train import eagle3
 
     monkeypatch.setattr(device, "native_bf16_cpu", lambda: native)
-    args = common.parse_training_args(eagle3.parser(), ["--out", "x"])
+    args = cli.parse_training_args(eagle3.parser(), ["--out", "x"])
     assert (args.amp, args.feature_dtype) == (("bf16", "bfloat16") if native else ("off", "float32"))
-    args = common.parse_training_args(eagle3.parser(), ["--out", "x", "--amp", "bf16", "--feature-dtype", "bfloat16"])
+    args = cli.parse_training_args(eagle3.parser(), ["--out", "x", "--amp", "bf16", "--feature-dtype", "bfloat16"])
     assert (args.amp, args.feature_dtype) == ("bf16", "bfloat16")
 
 
 def test_steps_in_budget():
-    assert common.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=100.0) == 25 + 180
-    assert common.steps_in_budget(100, 25, per_step_s=0.5, remaining_s=100.0) == 100  # the budget is not a floor
-    assert common.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=-3.0) == 25  # already over: stop now
+    assert loop.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=100.0) == 25 + 180
+    assert loop.steps_in_budget(100, 25, per_step_s=0.5, remaining_s=100.0) == 100  # the budget is not a floor
+    assert loop.steps_in_budget(1000, 25, per_step_s=0.5, remaining_s=-3.0) == 25  # already over: stop now
 
 
 def test_generation_stops_at_its_deadline_and_resumes(tiny, tmp_path):
@@ -550,7 +550,7 @@ def test_generation_stops_at_its_deadline_and_resumes(tiny, tmp_path):
     import time
 
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from spec.sampling import SamplingParams
     from train.data import read_jsonl, run_engine
 
@@ -580,7 +580,7 @@ def test_document_tasks_answer_missing_passages_then_build_tasks(tiny, tmp_path)
     import types
 
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from train.data import document_tasks, read_jsonl
 
     documents = document_prompts(8, 0)
@@ -621,7 +621,7 @@ def test_held_out_document_tasks_use_passages_no_training_record_has(tiny, tmp_p
     import types
 
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from train.data import EVAL_SEED, held_out_document_tasks, held_out_documents, read_jsonl
 
     args = types.SimpleNamespace(documents=200, seed=0, num_eval_documents=40, max_tokens=6)
@@ -660,8 +660,8 @@ def _check_warm_start(main, base: list[str], src: Path, src_work: Path, root: Pa
                  "--no-ray", "--save-every", "1", "--name", "tiny-warm-draft"])
     before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    fresh = [r["loss"] for r in common.read_log(src_work / "log.jsonl") if r["kind"] == "train"][:5]
-    warm = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    fresh = [r["loss"] for r in runlog.read_log(src_work / "log.jsonl") if r["kind"] == "train"][:5]
+    warm = [r["loss"] for r in runlog.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert len(warm) == 2 and sum(warm) / 2 < 0.95 * sum(fresh) / 5
     assert json.loads((work / "data_info.json").read_text())["init_from"] == str(src)
     card = (out / "README.md").read_text()
@@ -680,7 +680,7 @@ def test_standalone_trainer_end_to_end(tiny):
             "--epochs", "30", "--token-budget", "256", "--lr", "1e-2", "--warmup", "5", "--holdout", "0", "--topk", "8",
             "--no-ray", "--save-every", "15"]
     standalone.main(base + ["--max-steps", "30", "--draft-vocab-size", "24"])
-    train = [r["loss"] for r in common.read_log(work / "log.jsonl") if r["kind"] == "train"]
+    train = [r["loss"] for r in runlog.read_log(work / "log.jsonl") if r["kind"] == "train"]
     assert len(train) == 30 and sum(train[-5:]) / 5 < 0.8 * sum(train[:5]) / 5
     assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
     draft = build_draft(SpecAlgorithm.STANDALONE, ModelSource.resolve(out), ModelSource.resolve(tiny["target"]),
@@ -710,7 +710,7 @@ def test_hot_vocab_gives_a_trained_draft_the_most_frequent_ids(tiny, tiny_eagle3
                     "--holdout", "0"])
     before, after = load_file(draft / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(after) == set(before) | {"d2t"} and all(torch.equal(before[k], after[k]) for k in before)
-    counts, _ = common.token_counts(common.load_sequences(tiny["data"], 2048), VOCAB)
+    counts, _ = sequences.token_counts(sequences.load_sequences(tiny["data"], 2048), VOCAB)
     ids = vocab_ids(after["d2t"])
     assert counts[ids].min() >= counts[~torch.isin(torch.arange(VOCAB), ids)].max()  # the 16 most frequent
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 16
@@ -792,7 +792,7 @@ def test_target_written_prompts_answer_missing_turns_and_hold_out_eval_ones(tiny
     import types
 
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from train.data import EVAL_SEED, read_jsonl, target_written_prompts
 
     train_texts = ["How do I keep basil alive on a windowsill?", "Write a haiku about a quiet harbor at dawn.",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from train import common
+from train import checkpoints
 
 
 def parse_weights(text: str, count: int) -> list[float]:
@@ -41,7 +41,7 @@ def parse_weights(text: str, count: int) -> list[float]:
 def average(sources: list[Path], weights: list[float]) -> tuple[dict, dict[str, torch.Tensor], torch.dtype]:
     """(config, averaged fp32 state, first source's dtype); ValueError naming the first config
     field or tensor where a source differs from the first."""
-    configs, states = zip(*(common.read_draft(s, "sources") for s in sources))
+    configs, states = zip(*(checkpoints.read_draft(s, "sources") for s in sources))
     dtype = getattr(torch, configs[0].get("torch_dtype") or "float32")
     base = {k: v for k, v in configs[0].items() if k != "torch_dtype"}
     for source, config, state in zip(sources[1:], configs[1:], states[1:]):
@@ -104,8 +104,8 @@ def main(argv=None) -> None:
         raise ValueError(f"--out {out} is one of the sources; write the average to a new folder")
     weights = parse_weights(args.weights, len(sources))
     config, state, dtype = average(sources, weights)
-    common.write_draft(out, state, config, dtype)
-    for name in common.TOKENIZER_FILES:
+    checkpoints.write_draft(out, state, config, dtype)
+    for name in checkpoints.TOKENIZER_FILES:
         if (sources[0] / name).is_file():
             shutil.copy(sources[0] / name, out / name)
     write_card(out, args.name or out.name, sources, weights)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from train.common import read_log
+from train.runlog import read_log
 
 
 def write_card(out: Path, state: Path, kind: str, target: str, args: dict) -> None:

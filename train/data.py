@@ -209,7 +209,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from spec.sampling import SamplingParams
 
     torch.set_num_threads(args.threads)

@@ -42,7 +42,7 @@ from models.attention import repeat_kv_heads
 from models.drafts import Eagle3Draft
 from models.layers import apply_rotary
 from spec.vocab import vocab_ids, vocab_maps
-from train import common, loop
+from train import checkpoints, cli, features, loop, sequences
 
 SAVE_NAMES = ("fc.", "midlayer.", "norm.", "lm_head.", "d2t", "t2d")
 DEFAULT_DRAFT_VOCAB = 8192
@@ -146,7 +146,7 @@ def save_draft(model: Eagle3Draft, config: dict, folder: Path, dtype: torch.dtyp
     own_embed = not model.shares_target_embed
     state = {name: tensor for name, tensor in model.state_dict().items()
              if name.startswith(SAVE_NAMES) or (own_embed and name == "embed_tokens.weight")}
-    common.write_draft(folder, state, config, dtype)
+    checkpoints.write_draft(folder, state, config, dtype)
 
 
 def _shift(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -217,7 +217,7 @@ class TTTModel(nn.Module):
                 logits = d.lm_head(d.norm(h.reshape(b * t, -1)[sel])).float()  # (N, Vd)
                 top_ids = _shift(batch["topk_ids"], k + 1).reshape(b * t, -1)[sel]
                 top_logits = _shift(batch["topk_logits"], k + 1, -1e4).reshape(b * t, -1)[sel]
-                target = common.soft_targets(top_ids, top_logits, self.t2d_index, d.draft_vocab_size)
+                target = features.soft_targets(top_ids, top_logits, self.t2d_index, d.draft_vocab_size)
                 loss_k = -(target * F.log_softmax(logits, -1)).sum(-1).mean()
                 pred = logits.argmax(-1)
                 acc_k = (self.t2d_index[top_ids[:, 0]] == pred).float().mean()
@@ -233,21 +233,34 @@ class TTTModel(nn.Module):
 
 # ---- driver ---------------------------------------------------------------------------------
 
+def build_for_loop(cfg: dict, state_dir: Path):
+    """`train.loop`'s builder: (TTTModel over a new or warm-started head, the head, save(out, dtype))."""
+    draft_cfg = json.loads((state_dir / "config.json").read_text())
+    init = torch.load(state_dir / "init.pt", weights_only=True)
+    draft = new_draft(draft_cfg, init["embed"], init.get("norm"), init["d2t"], init["t2d"], cfg["seed"])
+    if "weights" in init:
+        shared = {"embed_tokens.weight"} if draft.shares_target_embed else set()
+        checkpoints.load_warm_weights(draft, init["weights"], shared)
+    if cfg.get("only_new_rows"):
+        train_only_rows(draft, init["new_rows"])
+    return TTTModel(draft, cfg["ttt_steps"], cfg["decay"]), draft, lambda out, dtype: save_draft(draft, draft_cfg, out, dtype)
+
+
 def prepare(args) -> dict:
     """Vocab, features (cached), draft config and init tensors; returns the worker config."""
     from models.build import ModelSource
     from models.loader import TensorSource
     from spec.shapes import get_target_aux_layer_ids
 
-    state_dir = common.work_dir(args)
+    state_dir = cli.work_dir(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
     aux_inputs = get_target_aux_layer_ids(target.config, None)
-    train_seqs, held_seqs = common.load_split(args)
+    train_seqs, held_seqs = cli.load_split(args)
     vocab = target_cfg["vocab_size"]
     aux_outputs = [i - 1 for i in aux_inputs]
-    counts, prompt_counts = common.token_counts(train_seqs, vocab)
+    counts, prompt_counts = sequences.token_counts(train_seqs, vocab)
     if args.resume and (state_dir / "config.json").is_file():
         config = json.loads((state_dir / "config.json").read_text())  # keep the vocab the run started with
         init = torch.load(state_dir / "init.pt", weights_only=True)
@@ -259,7 +272,7 @@ def prepare(args) -> dict:
             init["norm"] = source.get("model.norm.weight").float()
         if args.init_from:
             # Fine-tuning keeps the head's own vocabulary (its lm_head rows are those ids), or grows it.
-            config, init["weights"] = common.warm_start(args.init_from, {
+            config, init["weights"] = checkpoints.warm_start(args.init_from, {
                 "vocab_size": vocab, "target_hidden_size": target_cfg["hidden_size"],
                 "eagle_config.eagle_aux_hidden_state_layer_ids": aux_outputs})
             weights, have = init["weights"], config["draft_vocab_size"]
@@ -271,16 +284,16 @@ def prepare(args) -> dict:
                 raise ValueError(f"--only-new-rows needs a --draft-vocab-size larger than the --init-from head's {have}")
             if size > have:
                 own = vocab_ids(weights["d2t"])
-                ids = common.draft_vocab(counts, prompt_counts, size, keep=own)
+                ids = sequences.draft_vocab(counts, prompt_counts, size, keep=own)
                 init["new_rows"] = grow_vocab(config, weights, ids)
                 init["grown"] = {"draft_vocab_grown_from": have,
-                                 "draft_vocab_coverage_before": round(common.vocab_coverage(counts, own), 4)}
+                                 "draft_vocab_coverage_before": round(sequences.vocab_coverage(counts, own), 4)}
             init["d2t"], init["t2d"] = weights["d2t"], weights["t2d"]
             ids = vocab_ids(init["d2t"])
         else:
             if args.only_new_rows:
                 raise ValueError("--only-new-rows needs --init-from: a head whose vocabulary to grow")
-            ids = common.draft_vocab(counts, prompt_counts, args.draft_vocab_size or DEFAULT_DRAFT_VOCAB)
+            ids = sequences.draft_vocab(counts, prompt_counts, args.draft_vocab_size or DEFAULT_DRAFT_VOCAB)
             init["d2t"], init["t2d"] = vocab_maps(ids, vocab)
             config = draft_config(target_cfg, len(ids), aux_outputs, args.hidden, args.heads, args.kv_heads,
                                   args.intermediate)
@@ -288,18 +301,18 @@ def prepare(args) -> dict:
         (state_dir / "config.json").write_text(json.dumps(config, indent=2))
         for stale in ("log.jsonl", "state.pt"):
             (state_dir / stale).unlink(missing_ok=True)
-    features = common.compute_features(args, aux_inputs, train_seqs, held_seqs)
-    common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from, draft_vocab_size=len(ids),
-                           draft_vocab_coverage=round(common.vocab_coverage(counts, ids), 4),
+    feature_set = cli.compute_features(args, aux_inputs, train_seqs, held_seqs)
+    cli.write_data_info(state_dir, train_seqs, held_seqs, args.init_from, draft_vocab_size=len(ids),
+                           draft_vocab_coverage=round(sequences.vocab_coverage(counts, ids), 4),
                            **init.get("grown", {}),
                            **{"aux_layer_ids(outputs)": aux_outputs})
-    return dict(common.worker_config(args, "eagle3", state_dir, features, args.ttt_steps, args.decay),
+    return dict(cli.worker_config(args, "eagle3", build_for_loop, state_dir, feature_set, args.ttt_steps, args.decay),
                 only_new_rows=args.only_new_rows)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_training_args(p, lr=1e-3)
+    cli.add_training_args(p, lr=1e-3)
     p.add_argument("--draft-vocab-size", type=int, default=None,
                    help=f"target ids the head predicts, the most frequent in the data (default {DEFAULT_DRAFT_VOCAB}; "
                         "with --init-from, the head's own, or a larger size grows it)")
@@ -315,7 +328,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = common.parse_training_args(parser(), argv)
+    args = cli.parse_training_args(parser(), argv)
     start = time.time()
     cfg = prepare(args)
     loop.run(cfg, args.num_workers, start)

@@ -30,7 +30,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
     import torch
 
     from graphs.config import EngineConfig
-    from graphs.engine import build_graph
+    from graphs import build_graph
     from spec.sampling import SamplingParams
 
     if threads:

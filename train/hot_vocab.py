@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 
 from spec.vocab import vocab_maps
-from train import common
+from train import checkpoints, cli, sequences
 from train.average import source_card
 
 
 def hot_ids(counts: torch.Tensor, prompt_counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
-    """The draft_vocab_size ids the target writes most (counts from `common.token_counts`), sorted."""
+    """The draft_vocab_size ids the target writes most (counts from `sequences.token_counts`), sorted."""
     if not 1 <= draft_vocab_size <= counts.numel():
         raise ValueError(f"--draft-vocab-size: {draft_vocab_size} must be between 1 and the vocab_size {counts.numel()}")
-    return common.draft_vocab(counts, prompt_counts, draft_vocab_size)
+    return sequences.draft_vocab(counts, prompt_counts, draft_vocab_size)
 
 
 def with_hot_vocab(config: dict, state: dict[str, torch.Tensor], ids: torch.Tensor) -> tuple[dict, dict]:
@@ -51,26 +51,26 @@ def main(argv=None) -> None:
     p.add_argument("draft", help="a standalone draft folder (config.json + model.safetensors)")
     p.add_argument("--out", required=True)
     p.add_argument("--draft-vocab-size", type=int, required=True)
-    common.add_data_args(p, max_len=2048)
+    cli.add_data_args(p, max_len=2048)
     p.add_argument("--name", default="", help="the card's title (default: the --out folder's name)")
     args = p.parse_args(argv)
     draft, out = Path(args.draft).expanduser(), Path(args.out).expanduser()
     if draft.resolve() == out.resolve():
         raise ValueError(f"--out {out} is the draft folder; write the new draft to a new folder")
-    config, state = common.read_draft(draft, "draft")
+    config, state = checkpoints.read_draft(draft, "draft")
     if config.get("architectures") != ["LlamaForCausalLM"]:
         raise ValueError(f"draft: {draft} has architectures {config.get('architectures')}, not a standalone "
                          "LlamaForCausalLM draft (an EAGLE-3 head's draft vocabulary is set when it is trained)")
-    train_seqs, _ = common.load_split(args)
+    train_seqs, _ = cli.load_split(args)
     if not train_seqs:
         raise ValueError(f"--data: no sequences in {args.data}")
-    counts, prompt_counts = common.token_counts(train_seqs, config["vocab_size"])
+    counts, prompt_counts = sequences.token_counts(train_seqs, config["vocab_size"])
     ids = hot_ids(counts, prompt_counts, args.draft_vocab_size)
-    coverage = common.vocab_coverage(counts, ids)
+    coverage = sequences.vocab_coverage(counts, ids)
     config, state = with_hot_vocab(config, state, ids)
     dtype = getattr(torch, config.pop("torch_dtype", None) or "float32")
-    common.write_draft(out, state, config, dtype)
-    for name in common.TOKENIZER_FILES:
+    checkpoints.write_draft(out, state, config, dtype)
+    for name in checkpoints.TOKENIZER_FILES:
         if (draft / name).is_file():
             shutil.copy(draft / name, out / name)
     info = {"draft_vocab_size": ids.numel(), "vocab_size": config["vocab_size"], "coverage": round(coverage, 4),

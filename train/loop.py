@@ -4,7 +4,9 @@ evaluates on held-out sequences, and writes resumable state plus the draft folde
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import sys
 import time
@@ -12,28 +14,45 @@ from pathlib import Path
 
 import torch
 
-from train import common
+from train import cli, features, runlog
 
 
-def build(cfg: dict, state_dir: Path):
-    """(trainable module whose forward(batch) -> (loss, [(loss_k, acc_k, n_k)]), inner model, save(final))."""
-    if cfg["kind"] == "eagle3":
-        from train.eagle3 import TTTModel, new_draft, save_draft, train_only_rows
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once; None where the C library has none."""
+    import ctypes
+    import ctypes.util
 
-        draft_cfg = json.loads((state_dir / "config.json").read_text())
-        init = torch.load(state_dir / "init.pt", weights_only=True)
-        draft = new_draft(draft_cfg, init["embed"], init.get("norm"), init["d2t"], init["t2d"], cfg["seed"])
-        if "weights" in init:
-            shared = {"embed_tokens.weight"} if draft.shares_target_embed else set()
-            common.load_warm_weights(draft, init["weights"], shared)
-        if cfg.get("only_new_rows"):
-            train_only_rows(draft, init["new_rows"])
-        return TTTModel(draft, cfg["ttt_steps"], cfg["decay"]), draft, \
-            lambda out, dtype: save_draft(draft, draft_cfg, out, dtype)
-    from train.standalone import DistillModel, new_student, save_student
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return trim
 
-    student = new_student(state_dir)
-    return DistillModel(student), student, lambda out, dtype: save_student(student, state_dir, out, dtype)
+
+def trim_heap() -> None:
+    """Hand the pages glibc's heap holds free back to the OS (a no-op without glibc). Batches come
+    in many (B, T) shapes, so a CPU step's freed activations leave the heap fragmented and the
+    resident memory of a run grew by ~50 MB per step (a `--max-len 2048` run passed 14 GB and Ray's
+    OOM monitor killed a two-worker one); the training loop trims every few steps (train/loop.py)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def steps_in_budget(total: int, step: int, per_step_s: float, remaining_s: float, margin: float = 0.9) -> int:
+    """The step count that ends a run now at `step` within `remaining_s` seconds (a `margin` share
+    of it, the rest left for evals and checkpoints), never more than `total` nor fewer than `step`."""
+    return max(step, min(total, step + int(margin * max(0.0, remaining_s) / max(per_step_s, 1e-9))))
+
+
+def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
 
 
 def _batch_plan(shards: list[str], token_budget: int, epoch_seed: int, world: int) -> list[list[int]]:
@@ -48,7 +67,7 @@ def _batch_plan(shards: list[str], token_budget: int, epoch_seed: int, world: in
         def __init__(self, n):
             self.tokens = range(n)
 
-    batches = common.make_batches([_Len(n) for n in lens], token_budget, epoch_seed)
+    batches = features.make_batches([_Len(n) for n in lens], token_budget, epoch_seed)
     usable = len(batches) - len(batches) % world
     return batches[:usable]
 
@@ -66,7 +85,9 @@ def train_loop(cfg: dict) -> None:
         rank, world = 0, 1
     out, state_dir = Path(cfg["out"]), Path(cfg["state_dir"])
     state_path = state_dir / "state.pt"
-    model, inner, save = build(cfg, state_dir)
+    # The trainer's own builder (`build_for_loop` of train.eagle3 / train.standalone), passed in
+    # the config so that this shared loop imports neither trainer.
+    model, inner, save = cfg["build"](cfg, state_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     step, elapsed = 0, 0.0
@@ -76,7 +97,7 @@ def train_loop(cfg: dict) -> None:
         optim.load_state_dict(state["optim"])
         step, elapsed = state["step"], state["elapsed"]
         if rank == 0:
-            common.truncate_log(state_dir / "log.jsonl", step)
+            runlog.truncate_log(state_dir / "log.jsonl", step)
     if cfg["use_ray"]:
         model = ray.train.torch.prepare_model(model, move_to_device=False)
     device = torch.device("cpu")
@@ -91,27 +112,27 @@ def train_loop(cfg: dict) -> None:
         total_steps = min(total_steps, cfg["max_steps"])
     needed = {i for plan in plans for bi, batch in enumerate(plan) if bi % world == rank for i in batch}
     with_aux = cfg["kind"] == "eagle3"
-    examples = dict(zip(sorted(needed), common.load_examples(cfg["shards"], keep=lambda i: i in needed, with_aux=with_aux)))
-    held = common.load_examples(cfg["held_shards"], with_aux=with_aux) if cfg["held_shards"] and rank == 0 else []
+    examples = dict(zip(sorted(needed), features.load_examples(cfg["shards"], keep=lambda i: i in needed, with_aux=with_aux)))
+    held = features.load_examples(cfg["held_shards"], with_aux=with_aux) if cfg["held_shards"] and rank == 0 else []
     featurizer = None
     if cfg["online"]:
         spec = cfg["online"]
         # Aux states only for heads that read them: a standalone student needs the logits alone.
-        featurizer = common.TargetFeaturizer(cfg["target"], spec["aux_ids"] if with_aux else None, spec["topk"],
+        featurizer = features.TargetFeaturizer(cfg["target"], spec["aux_ids"] if with_aux else None, spec["topk"],
                                              device=device, dtype=getattr(torch, spec["dtype"]))
 
     log_path = state_dir / "log.jsonl"
-    timer = common.Timer(elapsed)
+    timer = runlog.Timer(elapsed)
     bar = None
     if rank == 0:
         from tqdm import tqdm
 
         bar = tqdm(total=total_steps, initial=step, desc=cfg["kind"], mininterval=10, file=sys.stdout)
 
-    def make_batch(items: list[common.Example]) -> dict[str, torch.Tensor]:
+    def make_batch(items: list[features.Example]) -> dict[str, torch.Tensor]:
         if featurizer is not None:
-            return common.pad_batch(common.featurize(featurizer, items, with_aux), device)
-        return {k: v.to(device) for k, v in common.pad_batch(items).items()}
+            return features.pad_batch(features.featurize(featurizer, items, with_aux), device)
+        return {k: v.to(device) for k, v in features.pad_batch(items).items()}
 
     def autocast():
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg["amp"] == "bf16")
@@ -140,7 +161,7 @@ def train_loop(cfg: dict) -> None:
                     "elapsed": timer.elapsed}, tmp)
         os.replace(tmp, state_path)
         save(out, torch.float32 if not final else cfg["save_dtype"])
-        common.plot_losses(log_path, out / "loss.png", f"{cfg['kind']} draft for {cfg['target']}")
+        runlog.plot_losses(log_path, out / "loss.png", f"{cfg['kind']} draft for {cfg['target']}")
 
     # --max-minutes: time steps fit_from..fit_at of this run (the first ones warm up kernels and
     # caches), then cut total_steps so the rest ends by the deadline, a tenth kept for evals and saves.
@@ -152,7 +173,7 @@ def train_loop(cfg: dict) -> None:
         batch_ids = plans[epoch][index * world + rank]
         batch = make_batch([examples[i] for i in batch_ids])
         for group in optim.param_groups:
-            group["lr"] = common.lr_at(step, total_steps, cfg["lr"], cfg["warmup"])
+            group["lr"] = lr_at(step, total_steps, cfg["lr"], cfg["warmup"])
         with autocast():
             loss, stats = model(batch)
         optim.zero_grad(set_to_none=True)
@@ -163,12 +184,12 @@ def train_loop(cfg: dict) -> None:
         # Every 8th step: a 2048-token CPU run then held 5.2 GB at step 96 instead of 9.4 GB, at the
         # same 1.65 s/step; trimming after every step cost ~15% in page faults.
         if device.type == "cpu" and step % 8 == 0:
-            common.trim_heap()
+            trim_heap()
         if deadline and step == fit_from:
             fit_start = time.time()
         if deadline and step == fit_at:
             per_step = (time.time() - fit_start) / (fit_at - fit_from)
-            total_steps = common.steps_in_budget(total_steps, step, per_step, deadline - time.time())
+            total_steps = steps_in_budget(total_steps, step, per_step, deadline - time.time())
             if cfg["use_ray"] and world > 1:
                 agreed = torch.tensor([total_steps], device=device)  # NCCL needs it on the GPU
                 torch.distributed.broadcast(agreed, 0)  # every rank stops at rank 0's count
@@ -180,7 +201,7 @@ def train_loop(cfg: dict) -> None:
                   "loss_k": [s[0] for s in stats], "acc_k": [s[1] for s in stats],
                   "lr": optim.param_groups[0]["lr"], "time": round(timer.elapsed, 1)}
         if rank == 0:
-            common.append_log(log_path, record)
+            runlog.append_log(log_path, record)
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.3f}", acc=",".join(f"{s[1]:.2f}" for s in stats))
         last = step == total_steps
@@ -188,7 +209,7 @@ def train_loop(cfg: dict) -> None:
             ray.train.report({k: v for k, v in record.items() if k != "kind"})
         if rank == 0 and (step % cfg["save_every"] == 0 or last):
             if held and (step % cfg["eval_every"] == 0 or last):
-                common.append_log(log_path, {"kind": "eval", "step": step, **evaluate()})
+                runlog.append_log(log_path, {"kind": "eval", "step": step, **evaluate()})
             checkpoint(final=last)
     if rank == 0:
         bar.close()
@@ -236,9 +257,9 @@ def report(args, start: float, kind: str, algorithm: str, eval_steps: int) -> di
         summary["acceptance"] = measure_acceptance(args.target, str(out), algorithm, args.eval_prompts, args.eval_n,
                                                    args.eval_max_tokens, num_steps=eval_steps,
                                                    dtype=args.feature_dtype)
-    (common.work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
+    (cli.work_dir(args) / "summary.json").write_text(json.dumps(summary, indent=2))
     from train.card import write_card
 
-    write_card(out, common.work_dir(args), kind, args.target, vars(args))
+    write_card(out, cli.work_dir(args), kind, args.target, vars(args))
     print(json.dumps(summary))
     return summary

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spec.vocab import vocab_ids
-from train import common, loop
+from train import checkpoints, cli, loop, sequences
 from train.hot_vocab import hot_ids, with_hot_vocab
 
 
@@ -68,7 +68,7 @@ def new_student(state_dir: Path):
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(init["embed"])
     if "weights" in init:
-        common.load_warm_weights(model, init["weights"], {"lm_head.weight"})  # tied to the embeddings
+        checkpoints.load_warm_weights(model, init["weights"], {"lm_head.weight"})  # tied to the embeddings
     model.tie_weights()
     return model
 
@@ -80,9 +80,9 @@ def save_student(model, state_dir: Path, out: Path, dtype: torch.dtype) -> None:
     vocab = Path(state_dir) / "draft_vocab.pt"
     if vocab.is_file():
         config, state = with_hot_vocab(config, state, torch.load(vocab, weights_only=True))
-    common.write_draft(out, state, config, dtype)
+    checkpoints.write_draft(out, state, config, dtype)
     target = Path(json.loads((Path(state_dir) / "target.json").read_text())["folder"])
-    for name in common.TOKENIZER_FILES:
+    for name in checkpoints.TOKENIZER_FILES:
         if (target / name).is_file():
             shutil.copy(target / name, out / name)
 
@@ -107,22 +107,28 @@ class DistillModel(nn.Module):
         return loss, [(float(loss.detach()), float(acc), int(sel.sum()))]
 
 
+def build_for_loop(cfg: dict, state_dir: Path):
+    """`train.loop`'s builder: (DistillModel over the student, the student, save(out, dtype))."""
+    student = new_student(state_dir)
+    return DistillModel(student), student, lambda out, dtype: save_student(student, state_dir, out, dtype)
+
+
 def prepare(args) -> dict:
     from models.build import ModelSource
     from models.loader import TensorSource
     from spec.shapes import get_target_aux_layer_ids
 
-    state_dir = common.work_dir(args)
+    state_dir = cli.work_dir(args)
     state_dir.mkdir(parents=True, exist_ok=True)
     target = ModelSource.resolve(args.target)
     target_cfg = json.loads((target.folder / "config.json").read_text())
-    train_seqs, held_seqs = common.load_split(args)
+    train_seqs, held_seqs = cli.load_split(args)
     vocab_size = target_cfg["vocab_size"]
-    counts, prompt_counts = common.token_counts(train_seqs, vocab_size)
+    counts, prompt_counts = sequences.token_counts(train_seqs, vocab_size)
     if not (args.resume and (state_dir / "config.json").is_file()):
         hot = None  # the ids the draft will propose (sorted), or None for all
         if args.init_from:
-            config, weights = common.warm_start(args.init_from, {"vocab_size": vocab_size})
+            config, weights = checkpoints.warm_start(args.init_from, {"vocab_size": vocab_size})
             if "d2t" in weights:  # its hot vocabulary, kept unless --draft-vocab-size asks for another
                 hot = vocab_ids(weights.pop("d2t"))
             config.pop("draft_vocab_size", None)
@@ -141,22 +147,22 @@ def prepare(args) -> dict:
         if hot is not None:
             torch.save(hot, state_dir / "draft_vocab.pt")
     # The student needs no aux states; the same aux ids as train.eagle3 keep one shared feature cache.
-    features = common.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
+    feature_set = cli.compute_features(args, get_target_aux_layer_ids(target.config, None), train_seqs, held_seqs)
     c = json.loads((state_dir / "config.json").read_text())
     vocab = {}
     if (state_dir / "draft_vocab.pt").is_file():
         hot = torch.load(state_dir / "draft_vocab.pt", weights_only=True)
-        vocab = {"draft_vocab_size": hot.numel(), "draft_vocab_coverage": round(common.vocab_coverage(counts, hot), 4)}
-    common.write_data_info(state_dir, train_seqs, held_seqs, args.init_from,
+        vocab = {"draft_vocab_size": hot.numel(), "draft_vocab_coverage": round(sequences.vocab_coverage(counts, hot), 4)}
+    cli.write_data_info(state_dir, train_seqs, held_seqs, args.init_from,
                            student=f"hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
                                    f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, "
                                    f"intermediate {c['intermediate_size']}, tied embeddings", **vocab)
-    return common.worker_config(args, "standalone", state_dir, features, ttt_steps=1, decay=1.0)
+    return cli.worker_config(args, "standalone", build_for_loop, state_dir, feature_set, ttt_steps=1, decay=1.0)
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_training_args(p, lr=2e-3)
+    cli.add_training_args(p, lr=2e-3)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -170,7 +176,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = common.parse_training_args(parser(), argv)
+    args = cli.parse_training_args(parser(), argv)
     start = time.time()
     cfg = prepare(args)
     loop.run(cfg, args.num_workers, start)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 class SchedulerActor:
     def __init__(self, config, placement_group, bundle_offset: int = 0):
         from actors.scheduler import DataParallelScheduler, Scheduler
-        from graphs.engine import eos_token_ids, resolve_sources, scheduler_config
+        from graphs.assembly import eos_token_ids, resolve_sources, scheduler_config
         from graphs.runtime import GraphRuntime
         from models.build import load_tokenizer
 
