@@ -11,10 +11,11 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.request import RequestOutput
-from graphs.scheduler_actor import SchedulerActor
+from graphs.assembly import resolve_sources
 from graphs.config import EngineConfig
-from graphs.engine import Engine, Messages, Prompt, resolve_sources
+from graphs.engine import Engine, Messages, Prompt
 from graphs.runtime import graph_bundles
+from graphs.scheduler_actor import SchedulerActor
 from models.build import load_tokenizer
 from spec.sampling import SamplingParams
 
