@@ -969,3 +969,30 @@ def test_later_turns_carry_the_targets_own_earlier_answers(tiny, tmp_path):
         assert alone.token_ids == records["sg-0:t3"]["output_ids"]
     finally:
         engine.shutdown()
+
+
+def test_train_data_answers_sharegpt_conversations_turn_by_turn_and_resumes(tiny, tmp_path, capsys):
+    """train.data --sharegpt on the packaged file: first turns answered, later user turns asked
+    after them with the target's answers in the history, held-out first turns written to
+    eval_sharegpt.jsonl (none a training conversation's), and a rerun adds nothing."""
+    from train.data import main, read_jsonl
+
+    argv = ["--target", str(tiny["target"]), "--out", str(tmp_path), "--num-prompts", "0", "--num-eval-prompts", "0",
+            "--sharegpt", "3", "--sharegpt-turns", "2", "--num-eval-sharegpt", "2", "--max-tokens", "4",
+            "--max-prompt-tokens", "96", "--sample-frac", "0", "--max-running-requests", "8"]
+    main(argv)
+    records = read_jsonl(tmp_path / "responses.jsonl")
+    held = read_jsonl(tmp_path / "eval_sharegpt.jsonl")
+    ids = {r["id"] for r in records}
+    assert len(ids) == 3 and all(i.startswith("sg-") for i in ids)
+    assert len(held) == 2 and not {p["id"] for p in held} & ids and all(len(p["messages"]) == 1 for p in held)
+    by_key = {r["key"]: r for r in records}
+    assert {k.split(":")[1] for k in by_key} <= {"g", "t2"} and sum(k.endswith(":g") for k in by_key) == 3
+    seconds = [k for k in by_key if k.endswith(":t2")]
+    assert seconds and all(len(by_key[k]["prompt_ids"]) > len(by_key[k.replace(":t2", ":g")]["prompt_ids"]) + 4
+                           for k in seconds)
+    assert all(len(r["prompt_ids"]) <= 96 for r in records)
+    capsys.readouterr()
+    main(argv)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_this_run"] == 0
+    assert read_jsonl(tmp_path / "responses.jsonl") == records
