@@ -295,6 +295,8 @@ def main(argv=None) -> None:
     for name in ("sharegpt_turns", "max_prompt_tokens", "max_running_requests"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.sharegpt < -1 or args.num_eval_sharegpt < 0:
+        parser.error("--sharegpt must be -1 (all), 0 (none) or a count, and --num-eval-sharegpt at least 0")
     kv_slots = args.kv_slots or max(16384, args.max_running_requests * (args.max_tokens + args.max_prompt_tokens // 2))
     try:
         sharegpt_file = open_sharegpt() if args.sharegpt else None
