@@ -12,10 +12,12 @@ Requests that cannot be recovered end with finish_reason "error", never a hang.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.ray_actors import DraftActor, TargetActor
@@ -24,7 +26,15 @@ from graphs.config import EngineConfig
 from graphs.executors import ActorCallExecutor, CompiledStepExecutor, RankActors, TargetOnlyExecutor
 
 log = logging.getLogger(__name__)
-MAX_RESTARTS = 3
+MAX_RESTARTS = 3  # per actor of the graph, within RESTART_WINDOW_S
+RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the budget
+
+
+def is_request_error(exc: BaseException) -> bool:
+    """A step error its inputs caused (a runner raised), as opposed to a dead or stuck actor."""
+    if isinstance(exc, RayTaskError):
+        return exc.cause is not None and not isinstance(exc.cause, RayError)
+    return not isinstance(exc, RayError)
 
 
 def graph_bundles(config: EngineConfig) -> list[dict]:
@@ -52,7 +62,9 @@ class GraphRuntime:
         ray.get([a.ready.remote() for rank in self.ranks for a in (rank.target, rank.draft)])
         self.executor = self._full_executor()
         self.pending_drafts: dict[int, ray.ObjectRef] = {}  # rank -> ready() of a restarting draft
-        self.restarts = 0
+        self.restarts = 0  # ever (stats)
+        self._recent: deque[float] = deque()  # monotonic times of the restarts within RESTART_WINDOW_S
+        self.broken: str | None = None  # why the engine cannot serve any more (its replica must go)
         dp.executor = self.executor
 
     # ---- actors ---------------------------------------------------------------------
@@ -98,7 +110,7 @@ class GraphRuntime:
         with lock:
             self._maybe_resume_speculation()
         try:
-            return self.dp.step(lock)
+            return self.dp.step(lock, is_request_error)
         except RayError as exc:
             log.warning("step failed (%s); recovering", type(exc).__name__)
             with lock:
@@ -121,8 +133,15 @@ class GraphRuntime:
         """Replace dead actors; the failed step committed nothing, so it is simply rerun."""
         self._teardown()
         self.restarts += 1
-        if self.restarts > MAX_RESTARTS * self.config.dp_size * 2:
-            return self._fail_all(f"engine could not recover after {self.restarts} actor restarts: {exc}")
+        now = time.monotonic()
+        self._recent.append(now)
+        while self._recent and now - self._recent[0] > RESTART_WINDOW_S:
+            self._recent.popleft()  # healthy time pays the budget back
+        if len(self._recent) > MAX_RESTARTS * self.config.dp_size * 2:
+            self.broken = (f"engine could not recover: {len(self._recent)} actor restarts within "
+                           f"{RESTART_WINDOW_S:.0f} s ({type(exc).__name__})")
+            log.error("%s: %s", self.broken, exc)
+            return self._fail_all(self.broken)
         self._release_step_slots()
         dead_target = False
         for r, rank in enumerate(self.ranks):
