@@ -26,8 +26,22 @@ from graphs.config import EngineConfig
 from graphs.executors import ActorCallExecutor, CompiledStepExecutor, RankActors, TargetOnlyExecutor
 
 log = logging.getLogger(__name__)
-MAX_RESTARTS = 3  # per actor of the graph, within RESTART_WINDOW_S
 RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the budget
+
+
+class RestartBudget:
+    """At most `limit` actor restarts within any `window_s`: healthy time pays it back."""
+
+    def __init__(self, limit: int, window_s: float = RESTART_WINDOW_S):
+        self.limit, self.window_s = limit, window_s
+        self.times: deque[float] = deque()
+
+    def spend(self, now: float) -> bool:
+        """Count a restart at `now`; False once the budget is exceeded."""
+        self.times.append(now)
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        return len(self.times) <= self.limit
 
 
 def is_request_error(exc: BaseException) -> bool:
@@ -63,7 +77,7 @@ class GraphRuntime:
         self.executor = self._full_executor()
         self.pending_drafts: dict[int, ray.ObjectRef] = {}  # rank -> ready() of a restarting draft
         self.restarts = 0  # ever (stats)
-        self._recent: deque[float] = deque()  # monotonic times of the restarts within RESTART_WINDOW_S
+        self.budget = RestartBudget(config.max_actor_restarts * len(self.actors()))
         self.broken: str | None = None  # why the engine cannot serve any more (its replica must go)
         dp.executor = self.executor
 
@@ -133,13 +147,9 @@ class GraphRuntime:
         """Replace dead actors; the failed step committed nothing, so it is simply rerun."""
         self._teardown()
         self.restarts += 1
-        now = time.monotonic()
-        self._recent.append(now)
-        while self._recent and now - self._recent[0] > RESTART_WINDOW_S:
-            self._recent.popleft()  # healthy time pays the budget back
-        if len(self._recent) > MAX_RESTARTS * self.config.dp_size * 2:
-            self.broken = (f"engine could not recover: {len(self._recent)} actor restarts within "
-                           f"{RESTART_WINDOW_S:.0f} s ({type(exc).__name__})")
+        if not self.budget.spend(time.monotonic()):
+            self.broken = (f"engine could not recover: {len(self.budget.times)} actor restarts within "
+                           f"{self.budget.window_s:.0f} s ({type(exc).__name__})")
             log.error("%s: %s", self.broken, exc)
             return self._fail_all(self.broken)
         self._release_step_slots()
