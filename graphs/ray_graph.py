@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.request import RequestOutput
 from actors.scheduler_actor import SchedulerActor
 from graphs.config import EngineConfig
-from graphs.engine import Engine, Messages, Prompt, resolve_sources
+from graphs.engine import Engine, Messages, Prompt, refused_output, resolve_sources
 from graphs.runtime import graph_bundles
 from models.build import load_tokenizer
 from spec.sampling import SamplingParams
@@ -109,8 +109,18 @@ class RayEngine(Engine):
             self._release()  # no placement group (asking the autoscaler for nodes) outlives a failed start
             raise
 
-    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
-        return ray.get([self.scheduler.generate.remote(ids, params) for ids, params in requests])
+    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]],
+                      errors_as_outputs: bool = False) -> list[RequestOutput]:
+        refs = [self.scheduler.generate.remote(ids, params) for ids, params in requests]
+        if not errors_as_outputs:
+            return ray.get(refs)
+        outs = []
+        for (ids, _), ref in zip(requests, refs):
+            try:
+                outs.append(ray.get(ref))
+            except ValueError as exc:  # refused by the scheduler (a RayTaskError that is a ValueError)
+                outs.append(refused_output(ids, getattr(exc, "cause", None) or exc))
+        return outs
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         for event in self.stream_events(prompt_ids, params):

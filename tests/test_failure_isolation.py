@@ -97,3 +97,22 @@ def test_a_step_that_fails_for_everyone_fails_each_alone(engine, monkeypatch):
     assert [o.finish_reason for o in outs] == ["error"] * 4
     assert all("broken runner" in o.error for o in outs)
     assert engine.scheduler.num_free_slots == engine.scheduler.config.kv_slots
+
+
+def test_restart_budget_is_paid_back_by_healthy_time():
+    from graphs.runtime import RestartBudget
+
+    budget = RestartBudget(limit=2, window_s=600.0)
+    assert budget.spend(0.0) and budget.spend(10.0)
+    assert not budget.spend(20.0)  # a third restart within 10 minutes: broken
+    budget = RestartBudget(limit=2, window_s=600.0)
+    assert budget.spend(0.0) and budget.spend(10.0)
+    assert budget.spend(700.0)  # the first two are forgotten after a healthy while
+
+
+def test_sampling_params_bounds_name_the_field():
+    for kwargs, field in [(dict(top_k=2**63), "top_k"), (dict(max_tokens=2**63), "max_tokens"),
+                          (dict(stop=["x"] * 17), "stop"), (dict(stop=["x" * 257]), "stop"),
+                          (dict(ignore_eos="yes"), "ignore_eos")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kwargs)
