@@ -3,6 +3,7 @@ over it (generate / chat / stream, plus `astream` for asyncio callers such as HT
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import AsyncIterator, Iterator
@@ -56,13 +57,21 @@ def resource_shortfall(bundles: list[dict], strategy: str, nodes: list[dict]) ->
 
 
 def _autoscaling() -> bool:
-    """Whether an autoscaler runs (it may add the nodes a placement group waits for)."""
+    """Whether an autoscaler could add the nodes a placement group waits for."""
     try:
         from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
         from ray.autoscaler.v2.utils import is_autoscaler_v2
         from ray.experimental.internal_kv import _internal_kv_get
 
-        return bool(_internal_kv_get(DEBUG_AUTOSCALING_STATUS)) or is_autoscaler_v2()
+        if is_autoscaler_v2():
+            return True
+        raw = _internal_kv_get(DEBUG_AUTOSCALING_STATUS)
+        if not raw:
+            return False
+        active = (json.loads(raw).get("autoscaler_report") or {}).get("active_nodes") or {}
+        # Without an autoscaling config Ray's monitor runs a read-only provider that names each
+        # node's type after the node (ray.autoscaler._private.util.format_readonly_node_type).
+        return not all(node_type.startswith("node_") for node_type in active)
     except Exception:  # noqa: BLE001 - unknown: assume none, fail fast
         return False
 
