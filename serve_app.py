@@ -729,6 +729,13 @@ class SpecEngine:
             message = str(_cause(exc))
             finished = True
             yield APIError(400, message, _param_of(message) or "prompt", "invalid_value").event()
+        except Exception:  # noqa: BLE001 - e.g. a broken engine refusing work: this replica is going away
+            if first_at is not None:
+                raise
+            log.exception("the engine refused a request")
+            finished = True
+            yield APIError(503, "engine unavailable; retry later", None, "engine_unavailable",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}).event()
         finally:
             self.inflight -= 1
             if not finished:
