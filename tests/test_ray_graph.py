@@ -121,9 +121,14 @@ def _kill_midway(engine, which: str, reference):
     """Start long generations, kill one kind of actor once tokens flow, compare outputs."""
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     expected = engine.generate(PROMPTS, params)
+    steps = engine.stats()["steps"]  # the reference above ran steps too
     refs = [engine.scheduler.generate.remote(p, params) for p in PROMPTS]
+
+    def decoding(stats: dict) -> bool:
+        return stats["running"] == len(PROMPTS) and stats["steps"] >= steps + 3
+
     deadline = time.time() + 60
-    while engine.stats()["steps"] < 3 and time.time() < deadline:
+    while not decoding(engine.stats()) and time.time() < deadline:
         time.sleep(0.02)
     actors = engine.actors()
     victims = actors[0::2] if which == "target" else actors[1::2]
