@@ -116,3 +116,15 @@ def test_sampling_params_bounds_name_the_field():
                           (dict(ignore_eos="yes"), "ignore_eos")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kwargs)
+
+
+def test_resource_shortfall_names_what_is_missing():
+    from graphs.ray_graph import resource_shortfall
+
+    dp2 = [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]  # dp_size=2, target + draft per rank
+    assert resource_shortfall(dp2, "PACK", [{"CPU": 2.0}]) == ["CPU: needs 4, the cluster has 2"]
+    assert resource_shortfall(dp2, "PACK", [{"CPU": 2.0}, {"CPU": 2.0}]) == []
+    assert resource_shortfall([{"CPU": 1.0, "GPU": 1.0}], "PACK", [{"CPU": 8.0}]) == ["GPU: needs 1, the cluster has 0"]
+    assert resource_shortfall([{"CPU": 3.0}], "PACK", [{"CPU": 2.0}, {"CPU": 2.0}]) == [
+        "bundle 0 {'CPU': 3.0} fits on no single node"]
+    assert resource_shortfall(dp2, "STRICT_PACK", [{"CPU": 2.0}, {"CPU": 2.0}])[0].startswith("STRICT_PACK")
