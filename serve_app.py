@@ -20,11 +20,14 @@ GET /metrics. Errors are OpenAI-shaped: {"error": {"message", "type", "param", "
 import argparse
 import asyncio
 import functools
+import hmac
+import ipaddress
 import json
 import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -67,6 +70,7 @@ FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
 ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 METRICS_PUSH_S = 1.0
+API_KEY_ENV = "SPECGRAPH_API_KEY"  # the CLI's default key, and the deploy configs' api_key_env
 
 
 # ---- settings ---------------------------------------------------------------------------------
@@ -77,7 +81,12 @@ class ServeSettings:
     """Serving options that are not engine options (those live in EngineConfig)."""
 
     served_model_name: Optional[str] = None  # default: the config's model name
-    api_key: Optional[str] = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    # When a key is set, /v1/* (and /metrics, unless metrics_public) needs "Authorization: Bearer
+    # <key>". api_key_env names an environment variable of the replicas holding it (deploy configs:
+    # never a key in the file); api_key is the key itself (the CLI, tests).
+    api_key: Optional[str] = None
+    api_key_env: Optional[str] = None
+    metrics_public: bool = False  # True: /metrics answers without the key
     max_queue: int = 256  # per replica: 503 once this many requests wait for a batch slot (0: refuse all)
     min_replicas: int = 1
     max_replicas: int = 1
@@ -101,6 +110,31 @@ class ServeSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas ({self.min_replicas})")
+        if self.api_key_env is not None and (not isinstance(self.api_key_env, str) or not self.api_key_env):
+            raise ValueError(f"api_key_env must name an environment variable, got {self.api_key_env!r}")
+
+    def resolved_api_key(self) -> Optional[str]:
+        """The key this process enforces: api_key, else the variable api_key_env names (unset: none)."""
+        if self.api_key:
+            return self.api_key
+        return os.environ.get(self.api_key_env) or None if self.api_key_env else None
+
+    def check_exposure(self, host: str) -> None:
+        """Refuse to serve on a non-loopback address without an API key."""
+        if is_loopback(host) or self.resolved_api_key():
+            return
+        where = (f"environment variable {self.api_key_env} (api_key_env) is not set" if self.api_key_env
+                 else "set api_key_env to the name of an environment variable holding the key")
+        raise ValueError(f"api_key: serving on {host!r} (not a loopback address) needs an API key; {where}")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 _ENGINE_FIELDS = {f.name: f for f in fields(EngineConfig)}
@@ -225,7 +259,8 @@ class APIError(Exception):
         return cls(e["status"], e["message"], e.get("param"), e.get("code"), e.get("headers"))
 
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+ENGINE_ERROR = "the engine failed this request (details are in the server log)"
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
 
 def _param_of(message: str) -> str | None:
@@ -585,16 +620,19 @@ class SpecEngine:
         return self.reporter.key, self.metrics.snapshot()
 
     async def check_health(self) -> None:
-        """Fails when the scheduler actor is dead or has not answered for `health_stall_s`;
-        a long step (the scheduler answers between steps) is not a failure."""
+        """Fails when the scheduler actor is dead, its engine broken (restart budget spent,
+        step loop stopped) or it has not answered for `health_stall_s`; Serve then replaces
+        the replica. The probe never waits for the step lock."""
         self.reporter.start()
         now = time.monotonic()
         if self._probe is None:
-            self._probe, self._probe_at = self.engine.scheduler.stats.remote(), now
+            self._probe, self._probe_at = self.engine.scheduler.health.remote(), now
         ready, _ = ray.wait([self._probe], timeout=0)
         if ready:
             probe, self._probe = self._probe, None
-            await probe  # raises if the scheduler actor died
+            broken = await probe  # raises if the scheduler actor died
+            if broken:
+                raise RuntimeError(f"engine broken: {broken}")
         elif now - self._probe_at > self.settings.health_stall_s:
             raise RuntimeError(f"engine unresponsive for {now - self._probe_at:.0f} s")
 
@@ -691,6 +729,13 @@ class SpecEngine:
             message = str(_cause(exc))
             finished = True
             yield APIError(400, message, _param_of(message) or "prompt", "invalid_value").event()
+        except Exception:  # noqa: BLE001 - e.g. a broken engine refusing work: this replica is going away
+            if first_at is not None:
+                raise
+            log.exception("the engine refused a request")
+            finished = True
+            yield APIError(503, "engine unavailable; retry later", None, "engine_unavailable",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}).event()
         finally:
             self.inflight -= 1
             if not finished:
@@ -731,7 +776,15 @@ async def _http_handler(request: Request, exc: StarletteHTTPException):
 @fastapi_app.exception_handler(Exception)
 async def _internal_handler(request: Request, exc: Exception):
     log.exception("unhandled error on %s", request.url.path)
-    return APIError(500, f"internal error: {type(exc).__name__}", None, "internal_error").response()
+    return APIError(500, "internal error", None, "internal_error").response()
+
+
+def _serve_http_host() -> str:
+    """The address Serve's HTTP proxies bind (from the Serve controller)."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    return ray.get(controller.get_http_config.remote()).host
 
 
 @serve.ingress(fastapi_app)
@@ -740,6 +793,8 @@ class OpenAIIngress:
         self.engine = engine
         self.engine_stream = engine.options(stream=True)
         self.settings = ServeSettings(**settings)
+        self.api_key = self.settings.resolved_api_key()
+        self.settings.check_exposure(_serve_http_host())
         model = engine_kwargs["model"]
         self.served_names = [self.settings.served_model_name or model, model]
         self.created = int(time.time())
@@ -750,12 +805,12 @@ class OpenAIIngress:
     # ---- plumbing --------------------------------------------------------------------
 
     def _check_auth(self, request: Request) -> None:
-        key = self.settings.api_key
+        key = self.api_key
         if not key:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or token.strip() != key:
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise APIError(401, "Incorrect API key provided (send 'Authorization: Bearer <key>')", None,
                            "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -778,8 +833,10 @@ class OpenAIIngress:
         raw = b"".join(chunks)
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError, or e.g. an over-long integer
             raise APIError(400, f"request body is not valid JSON: {exc}", None, "invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "request body is nested too deeply", None, "invalid_json") from None
 
     async def _generate(self, endpoint: str, request: Request, chat: bool) -> Response:
         self.reporter.start()
@@ -805,7 +862,8 @@ class OpenAIIngress:
                 if "failed" in result:
                     raise APIError.from_event(result)
                 if result.get("finish_reason") == "error":
-                    raise APIError(500, f"engine error: {result.get('error')}", None, "engine_error")
+                    log.warning("request %s failed in the engine: %s", rid, result.get("error"))
+                    raise APIError(500, ENGINE_ERROR, None, "engine_error")
                 response = JSONResponse(completion_response(req, result, rid, created))
         except APIError as exc:
             response = exc.response()
@@ -817,8 +875,7 @@ class OpenAIIngress:
                                     headers={"Retry-After": str(self.settings.retry_after_s)}).response()
             else:
                 log.exception("request failed")
-                response = APIError(500, f"internal error: {type(exc).__name__}: {exc}", None,
-                                    "internal_error").response()
+                response = APIError(500, "internal error", None, "internal_error").response()
         self.metrics.record_request(endpoint, response.status_code)
         return response
 
@@ -834,7 +891,8 @@ class OpenAIIngress:
                 if event.get("finished"):
                     finished = True
                     if event.get("finish_reason") == "error":
-                        err = APIError(500, f"engine error: {event.get('error')}", None, "engine_error").body()
+                        log.warning("request %s failed in the engine: %s", rid, event.get("error"))
+                        err = APIError(500, ENGINE_ERROR, None, "engine_error").body()
                         yield f"data: {json.dumps(err)}\n\n"
                     else:
                         yield stream_chunk(req, rid, created, text=None if req.chat else "",
@@ -849,7 +907,7 @@ class OpenAIIngress:
                 except Exception as exc:  # noqa: BLE001 - the engine replica failed mid-stream
                     log.warning("stream broke: %s", exc)
                     finished = True
-                    err = APIError(500, f"engine error: {type(exc).__name__}", None, "engine_error").body()
+                    err = APIError(500, ENGINE_ERROR, None, "engine_error").body()
                     yield f"data: {json.dumps(err)}\n\n"
                     break
             yield "data: [DONE]\n\n"
@@ -877,8 +935,7 @@ class OpenAIIngress:
             return exc.response()
         self.metrics.record_request("/v1/models", 200)
         return JSONResponse({"object": "list", "data": [
-            {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "specgraph",
-             "root": self.served_names[1]}]})
+            {"id": self.served_names[0], "object": "model", "created": self.created, "owned_by": "specgraph"}]})
 
     @fastapi_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -889,8 +946,13 @@ class OpenAIIngress:
         return await self._generate("/v1/chat/completions", request, chat=True)
 
     @fastapi_app.get("/metrics")
-    async def metrics_endpoint(self) -> Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
         self.reporter.start()
+        if not self.settings.metrics_public:
+            try:
+                self._check_auth(request)
+            except APIError as exc:
+                return exc.response()
         fresh = {}
         try:  # one engine replica's current gauges (all of them when there is one replica)
             key, snap = await asyncio.wait_for(self.engine.metrics_snapshot.remote(), timeout=5)
@@ -970,8 +1032,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-slots", type=int, default=None)
     p.add_argument("--dtype", default="auto",
                    help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with AMX/AVX512-BF16)")
-    p.add_argument("--api-key", default=os.environ.get("SPECGRAPH_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECGRAPH_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $SPECGRAPH_API_KEY; "
+                        "needed to bind a non-loopback --host)")
+    p.add_argument("--metrics-public", action="store_true", default=None, help="serve /metrics without the key")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="max_tokens of chat requests that give none (default: up to the context length)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests per replica before 503 (256)")
@@ -983,15 +1047,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def app_args_from_cli(ns: argparse.Namespace) -> dict:
     skip = {"host", "port", "num_cpus", "dashboard"}
-    return {k: v for k, v in vars(ns).items() if k not in skip and v is not None}
+    args = {k: v for k, v in vars(ns).items() if k not in skip and v is not None}
+    if "api_key" not in args and os.environ.get(API_KEY_ENV):
+        args["api_key_env"] = API_KEY_ENV  # the replicas read it: the key stays out of the app's args
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = app_args_from_cli(ns)
-    application = build_app(args)  # bad flags fail here, before Ray starts
-    engine_kwargs, settings = split_args(args)
+    try:  # bad flags fail here, before Ray starts
+        application = build_app(args)
+        engine_kwargs, settings = split_args(args)
+        settings.check_exposure(ns.host)
+    except ValueError as exc:
+        print(f"serve_app.py: error: {exc}", file=sys.stderr)
+        return 2
     config = EngineConfig(**engine_kwargs, backend="ray")
 
     stop = threading.Event()

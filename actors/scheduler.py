@@ -10,6 +10,7 @@ calls in one process, or a Ray compiled graph.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections import deque
@@ -26,6 +27,7 @@ from spec.batch import BatchMeta, DraftExtendInput, DraftInput
 from spec.sampling import SamplingParams
 from spec.shapes import HiddenStateSpec
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class StepPlan:
@@ -35,6 +37,7 @@ class StepPlan:
     requests: list[Request]
     meta: BatchMeta
     draft_input: DraftInput
+    rows: list[int] | None = None  # decode of these running rows only (isolating a failure); None: all
 
 
 class StepExecutor(Protocol):
@@ -67,6 +70,7 @@ class Scheduler:
         self.draft_input = self._idle_draft_input()
         self.reserved = 0
         self._inflight: StepPlan | None = None  # planned, not yet committed
+        self._failed: list[Request] = []  # failed outside a step's own requests, not yet reported
         self._next_rid = 0
         self._rng = random.SystemRandom()
 
@@ -101,16 +105,19 @@ class Scheduler:
         self.waiting.append(request)
         return rid
 
-    def abort(self, rid: int) -> None:
+    def abort(self, rid: int) -> bool:
+        """End a queued or running request; False when it was neither (already finished)."""
         for request in list(self.waiting):
             if request.rid == rid:
                 self.waiting.remove(request)
                 request.finish_reason = "abort"
+                return True
         for i, request in enumerate(self.running):
             if request.rid == rid:
                 request.finish_reason = "abort"
                 self._retire([i])
-                return
+                return True
+        return False
 
     def find(self, rid: int) -> Request:
         for request in (*self.waiting, *self.running):
@@ -128,37 +135,124 @@ class Scheduler:
     # ---- the step loop --------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that made progress (finished ones included)."""
+        """Run one step; returns the requests that made progress (finished and failed ones
+        included). A step that raises is rerun request by request: the request that fails
+        alone ends with an error, the others go on."""
         plan = self.plan()
         if plan.kind == "idle":
-            return []
-        ext, draft_input = self.executor.execute(plan.meta, plan.draft_input)
-        return self.commit(plan, ext, draft_input)
+            return self.take_failed()
+        try:
+            ext, draft_input = self.executor.execute(plan.meta, plan.draft_input)
+        except Exception:  # noqa: BLE001 - find the request that broke it
+            log.warning("step failed; rerunning its requests one by one", exc_info=True)
+            self.release_uncommitted()
+            return self.isolate(plan.requests, lambda solo: self.executor.execute(solo.meta, solo.draft_input))
+        return self.commit(plan, ext, draft_input) + self.take_failed()
+
+    def take_failed(self) -> list[Request]:
+        """Requests failed alone since the last call (to report their end)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def idle_plan(self) -> "StepPlan":
+        return StepPlan("idle", [], BatchMeta.create_idle(self.config.scratch_size, self.config.tree_size),
+                        self._idle_draft_input())
 
     def plan(self) -> "StepPlan":
         """Choose this step's work and allocate its KV slots: a prefill of newly admitted
-        requests, a decode of the running batch, or an idle step (inputs from spec/)."""
+        requests, a decode of the running batch, or an idle step (inputs from spec/). A
+        request that cannot be planned (alone) fails alone; the step goes on without it."""
         admitted = self._admit()
-        if admitted:
-            self._inflight = self._plan_prefill(admitted)
-        elif self.running:
-            self._inflight = self._plan_decode()
-        else:
-            self._inflight = StepPlan("idle", [], BatchMeta.create_idle(self.config.scratch_size, self.config.tree_size),
-                                      self._idle_draft_input())
+        try:
+            if admitted:
+                self._inflight = self._plan_prefill(admitted)
+            elif self.running:
+                self._inflight = self._plan_decode()
+            else:
+                self._inflight = self.idle_plan()
+        except Exception:  # noqa: BLE001 - _plan_* undid their allocations
+            bad = self._unplannable(admitted or list(self.running))
+            if not bad:
+                raise
+            for request, exc in bad:
+                self.fail_request(request, exc)
+            return self.plan()
         return self._inflight
 
+    def _unplannable(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
+        """Plan each request alone (and undo it): the ones that raise, with what they raised."""
+        order, bad = list(self.waiting), []
+        for request in requests:
+            try:
+                self.plan_alone(request)
+                self.release_uncommitted()
+            except Exception as exc:  # noqa: BLE001
+                bad.append((request, exc))
+        self.waiting = deque(r for r in order if r.finish_reason is None)  # queue order as before
+        return bad
+
+    def plan_alone(self, request: Request) -> "StepPlan":
+        """A step of `request` alone: its prefill when it waits, else a decode of its row."""
+        if any(r is request for r in self.running):
+            self._inflight = self._plan_decode([next(i for i, r in enumerate(self.running) if r is request)])
+        else:
+            self.waiting.remove(request)
+            self.reserved += request.reserved
+            self._inflight = self._plan_prefill([request])
+        return self._inflight
+
+    def isolate(self, requests: list[Request], run, is_request_error=lambda exc: True) -> list[Request]:
+        """Rerun a failed step's requests one at a time (`run(plan) -> (ext, draft_input)`):
+        a request whose step fails alone ends with finish_reason "error" and frees its slots,
+        the others make their step. An error `is_request_error` rejects (a dead actor) is
+        raised after the solo step's allocations are undone."""
+        progressed: list[Request] = []
+        for request in requests:
+            if request.finish_reason is not None:
+                continue
+            try:
+                solo = self.plan_alone(request)
+            except Exception as exc:  # noqa: BLE001
+                self.fail_request(request, exc)
+                continue
+            try:
+                ext, draft_input = run(solo)
+            except Exception as exc:  # noqa: BLE001
+                self.release_uncommitted()
+                if not is_request_error(exc):
+                    raise
+                log.warning("request %s failed alone: %s", request.rid, exc)
+                self.fail_request(request, exc)
+                continue
+            progressed += self.commit(solo, ext, draft_input)
+        return progressed + self.take_failed()
+
+    def fail_request(self, request: Request, exc: BaseException) -> None:
+        """End one request with an error wherever it is (queued or running) and free its slots."""
+        request.finish_reason, request.error = "error", f"{type(exc).__name__}: {exc}"
+        if any(r is request for r in self.waiting):
+            self.waiting.remove(request)
+        rows = [i for i, r in enumerate(self.running) if r is request]
+        self._retire(rows)
+        self._failed.append(request)
+
     def commit(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput) -> list[Request]:
-        """Apply a step's results: append tokens, keep accepted KV slots, free the rest."""
+        """Apply a step's results: append tokens, keep accepted KV slots, free the rest. A
+        request whose tokens raise ends with an error alone (retired with the finished)."""
         self._inflight = None
         if plan.kind == "prefill":
             for request, tokens in zip(plan.requests, ext.new_token_ids()):
                 request.num_verify_steps += 1
-                request.append_tokens(tokens)
+                self._append(request, tokens)
             self.running.extend(plan.requests)
             self.draft_input = self.draft_input.merge(draft_input)
         elif plan.kind == "decode":
-            self.draft_input = draft_input
+            if plan.rows is None:
+                self.draft_input = draft_input
+            else:  # a subset stepped: its rows go first, the others keep theirs
+                others = [i for i in range(len(self.running)) if i not in plan.rows]
+                self.draft_input = draft_input.merge(self.draft_input.filter(others))
+                self.running = [self.running[i] for i in plan.rows] + [self.running[i] for i in others]
             self.slots.free(plan.meta.scratch_slots.reshape(-1))
             committed = torch.split(ext.slots, ext.extend_lens.tolist())
             for b, (request, kept, tokens) in enumerate(zip(plan.requests, committed, ext.new_token_ids())):
@@ -167,9 +261,17 @@ class Scheduler:
                 request.slots.extend(kept.tolist())
                 request.num_verify_steps += 1
                 request.accept_lens.append(len(tokens) - 1)
-                request.append_tokens(tokens)
+                self._append(request, tokens)
         self._retire_finished()
         return list(plan.requests)
+
+    @staticmethod
+    def _append(request: Request, tokens: list[int]) -> None:
+        try:
+            request.append_tokens(tokens)
+        except Exception as exc:  # noqa: BLE001 - e.g. its detokenizer or stop rules raising
+            log.warning("request %s failed committing its tokens: %s", request.rid, exc)
+            request.finish_reason, request.error = "error", f"{type(exc).__name__}: {exc}"
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -214,31 +316,45 @@ class Scheduler:
         )
 
     def _plan_prefill(self, requests: list[Request]) -> "StepPlan":
-        for request in requests:
-            request.slots = self.slots.alloc(len(request.prompt_ids)).tolist()
-        meta = self._prefill_meta(requests, [r.prompt_ids for r in requests], [r.slots for r in requests],
-                                  [-1] * len(requests))
+        """Prefill of admitted requests; on any error its slots are freed and the requests
+        are back at the front of the queue (nothing leaks)."""
+        try:
+            for request in requests:
+                request.slots = self.slots.alloc(len(request.prompt_ids)).tolist()
+            meta = self._prefill_meta(requests, [r.prompt_ids for r in requests], [r.slots for r in requests],
+                                      [-1] * len(requests))
+        except Exception:
+            self._unadmit(requests)
+            raise
         return StepPlan("prefill", requests, meta, self._idle_draft_input())
 
-    def _plan_decode(self) -> "StepPlan":
-        requests = list(self.running)
+    def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":
+        """Decode of the running batch (or of `rows` of it); slots are allocated last, so a
+        request whose inputs cannot be built leaks nothing."""
+        requests = list(self.running) if rows is None else [self.running[i] for i in rows]
         batch, n, s = len(requests), self.config.tree_size, self.config.scratch_size
         history = (
             self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
             if self.config.needs_history else torch.zeros((batch, 0), dtype=torch.long)
         )
-        meta = BatchMeta(
+        fields = dict(
             seq_lens=torch.tensor([r.seq_len for r in requests], dtype=torch.long),
             kv_slots=self._padded([r.slots for r in requests], 0),
             prefill_lens=torch.zeros(batch, dtype=torch.long),
             prefill_tokens=torch.zeros((batch, 0), dtype=torch.long),
             prefill_slots=torch.zeros((batch, 0), dtype=torch.long),
             next_token=torch.full((batch,), -1, dtype=torch.long),
-            scratch_slots=self.slots.alloc(batch * s).view(batch, s),
-            verify_slots=self.slots.alloc(batch * n).view(batch, n),
             history=history, **self._sampling_fields(requests),
         )
-        return StepPlan("decode", requests, meta, self.draft_input)
+        scratch = self.slots.alloc(batch * s).view(batch, s)
+        try:
+            verify = self.slots.alloc(batch * n).view(batch, n)
+        except Exception:
+            self.slots.free(scratch.reshape(-1))
+            raise
+        meta = BatchMeta(scratch_slots=scratch, verify_slots=verify, **fields)
+        draft_input = self.draft_input if rows is None else self.draft_input.filter(rows)
+        return StepPlan("decode", requests, meta, draft_input, rows)
 
     def plan_resync(self) -> "StepPlan":
         """Re-prefill every running request into fresh runners (after an actor restart):
@@ -252,21 +368,28 @@ class Scheduler:
     def commit_resync(self, plan: "StepPlan", draft_input: DraftInput) -> None:
         self.draft_input = draft_input
 
-    def release_uncommitted(self) -> None:
-        """Undo the allocations of a planned step that failed (its runners died): slots go
-        back to the pool and admitted requests back to the front of the queue."""
+    def release_uncommitted(self) -> "StepPlan | None":
+        """Undo the allocations of a planned step that failed (its runners died or raised):
+        slots go back to the pool and admitted requests back to the front of the queue.
+        Returns the undone plan."""
         plan, self._inflight = self._inflight, None
         if plan is None:
-            return
+            return None
         if plan.kind == "decode":
             self.slots.free(plan.meta.scratch_slots.reshape(-1))
             self.slots.free(plan.meta.verify_slots.reshape(-1))
         elif plan.kind == "prefill":
-            for request in reversed(plan.requests):
+            self._unadmit(plan.requests)
+        return plan
+
+    def _unadmit(self, requests: list[Request]) -> None:
+        """Admitted requests back to the front of the queue, their slots and reservation freed."""
+        for request in reversed(requests):
+            if request.slots:
                 self.slots.free(request.slots)
-                request.slots = []
-                self.reserved -= request.reserved
-                self.waiting.appendleft(request)
+            request.slots = []
+            self.reserved -= request.reserved
+            self.waiting.appendleft(request)
 
     def fail_all(self, message: str) -> list[Request]:
         """End every request with an error (the engine cannot serve them); frees everything."""
@@ -322,9 +445,8 @@ class DataParallelScheduler:
                 pass
         raise KeyError(f"request {rid} is not queued or running")
 
-    def abort(self, rid: int) -> None:
-        for rank in self.ranks:
-            rank.abort(rid)
+    def abort(self, rid: int) -> bool:
+        return any([rank.abort(rid) for rank in self.ranks])
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.ranks)
@@ -333,22 +455,54 @@ class DataParallelScheduler:
     def num_free_slots(self) -> int:
         return sum(r.num_free_slots for r in self.ranks)
 
-    def step(self, lock: AbstractContextManager = nullcontext()) -> list[Request]:
+    def step(self, lock: AbstractContextManager = nullcontext(), is_request_error=lambda exc: True) -> list[Request]:
         """Plan and commit under `lock`; the runners' work happens outside it, so requests
-        can be submitted (and stats read) while a step runs."""
+        can be submitted (and stats read) while a step runs. A step that raises an error
+        `is_request_error` accepts is rerun request by request (Scheduler.isolate); others
+        (a dead actor) are raised with the step's allocations undone."""
         with lock:
-            plans = [rank.plan() for rank in self.ranks]
+            try:
+                plans = [rank.plan() for rank in self.ranks]
+            except Exception:
+                for rank in self.ranks:
+                    rank.release_uncommitted()
+                raise
             if all(p.kind == "idle" for p in plans):
-                return []
+                return self._take_failed()
         start = time.perf_counter()
-        results = self.executor.execute_all([(p.meta, p.draft_input) for p in plans])
+        try:
+            results = self.executor.execute_all([(p.meta, p.draft_input) for p in plans])
+        except Exception as exc:  # noqa: BLE001
+            if not is_request_error(exc):
+                raise
+            log.warning("step failed (%s); rerunning its requests one by one", exc)
+            with lock:
+                return self.isolate(is_request_error)
         with lock:
             self.execute_s += time.perf_counter() - start
             self.executed_steps += 1
             progressed: list[Request] = []
             for rank, plan, (ext, draft_input) in zip(self.ranks, plans, results):
                 progressed += rank.commit(plan, ext, draft_input)
-            return progressed
+            return progressed + self._take_failed()
+
+    def _take_failed(self) -> list[Request]:
+        return [r for rank in self.ranks for r in rank.take_failed()]
+
+    def isolate(self, is_request_error=lambda exc: True) -> list[Request]:
+        """Undo the failed step and rerun each of its requests alone (other ranks idle)."""
+        failed = [rank.release_uncommitted() for rank in self.ranks]
+        progressed: list[Request] = []
+        for k, (rank, plan) in enumerate(zip(self.ranks, failed)):
+            if plan is None or not plan.requests:
+                continue
+
+            def run(solo: StepPlan, k: int = k):
+                plans = [solo if i == k else r.idle_plan() for i, r in enumerate(self.ranks)]
+                return self.executor.execute_all([(p.meta, p.draft_input) for p in plans])[k]
+
+            progressed += rank.isolate(plan.requests, run, is_request_error)
+        return progressed + self._take_failed()
 
     def fail_all(self, message: str) -> list[Request]:
         return [r for rank in self.ranks for r in rank.fail_all(message)]

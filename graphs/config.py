@@ -56,6 +56,9 @@ class EngineConfig:
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
     step_timeout_s: float = 300.0  # a step slower than this counts as a failed actor
+    # Actor restarts allowed per actor of the graph within 10 minutes; beyond them the engine is
+    # broken (its Serve replica reports unhealthy and is replaced).
+    max_actor_restarts: int = 3
 
     def __post_init__(self) -> None:
         self.algorithm = SpecAlgorithm.from_name(self.speculative_algorithm)
@@ -63,6 +66,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_actor_restarts, int) or isinstance(self.max_actor_restarts, bool) \
+                or self.max_actor_restarts < 0:
+            raise ValueError(f"max_actor_restarts must be a non-negative integer, got {self.max_actor_restarts!r}")
         check_dtype_name(self.dtype)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -13,6 +13,12 @@ Prompt = str | Sequence[int]
 Messages = list[dict[str, Any]]
 
 
+def refused_output(prompt_ids: list[int], exc: Exception) -> RequestOutput:
+    """The output of a request the engine refused to queue."""
+    return RequestOutput(request_id=-1, token_ids=[], text="", finish_reason="error",
+                         num_prompt_tokens=len(prompt_ids), num_output_tokens=0, num_verify_steps=0, error=str(exc))
+
+
 class Engine:
     """The offline API shared by both backends: prompts, chat templates, generate/chat/stream."""
 
@@ -45,15 +51,19 @@ class Engine:
         params = params or SamplingParams()
         return self._generate_ids([(self.encode_chat(c), params) for c in conversations])
 
-    def generate_each(self, requests: Sequence[tuple[Prompt | Messages, SamplingParams]]) -> list[RequestOutput]:
-        """Many requests, each with its own sampling parameters, batched together."""
-        return self._generate_ids([(self.encode(p), params) for p, params in requests])
+    def generate_each(self, requests: Sequence[tuple[Prompt | Messages, SamplingParams]],
+                      errors_as_outputs: bool = False) -> list[RequestOutput]:
+        """Many requests, each with its own sampling parameters, batched together. A request
+        the engine refuses (ValueError, e.g. longer than the context) raises, or with
+        `errors_as_outputs` comes back alone as an output with finish_reason "error"."""
+        return self._generate_ids([(self.encode(p), params) for p, params in requests], errors_as_outputs)
 
     def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as steps complete (other requests progress meanwhile)."""
         return self._stream_ids(self.encode(prompt), params or SamplingParams())
 
-    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
+    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]],
+                      errors_as_outputs: bool = False) -> list[RequestOutput]:
         raise NotImplementedError
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
@@ -70,11 +80,22 @@ class LocalEngine(Engine):
         super().__init__(config, tokenizer)
         self.scheduler = scheduler
 
-    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]]) -> list[RequestOutput]:
-        requests = [self.scheduler.find(self.scheduler.add_request(ids, params)) for ids, params in requests]
-        while any(r.finish_reason is None for r in requests):
+    def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]],
+                      errors_as_outputs: bool = False) -> list[RequestOutput]:
+        queued: list = []
+        for ids, params in requests:
+            try:
+                queued.append(self.scheduler.find(self.scheduler.add_request(ids, params)))
+            except ValueError as exc:
+                if not errors_as_outputs:
+                    for request in queued:  # nothing of a refused batch stays queued
+                        self.scheduler.abort(request.rid)
+                    raise
+                queued.append(refused_output(ids, exc))
+        running = [r for r in queued if not isinstance(r, RequestOutput)]
+        while any(r.finish_reason is None for r in running):
             self.scheduler.step()
-        return [r.output() for r in requests]
+        return [r if isinstance(r, RequestOutput) else r.output() for r in queued]
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         request = self.scheduler.find(self.scheduler.add_request(prompt_ids, params))

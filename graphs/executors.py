@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import ray
 from ray.dag import InputNode, MultiOutputNode
+from ray.exceptions import RayTaskError
 
 from actors.draft_runner import NoDrafter
 from spec.batch import placeholder_draft_input
@@ -38,7 +39,16 @@ class CompiledStepExecutor:
         self.step_timeout_s = step_timeout_s
 
     def execute_all(self, steps: list) -> list:
-        return [ref.get(timeout=self.step_timeout_s) for ref in self.compiled.execute(*steps)]
+        # Every rank's result is read, even after one raised, so the graph holds no stale output.
+        results, error = [], None
+        for ref in self.compiled.execute(*steps):
+            try:
+                results.append(ref.get(timeout=self.step_timeout_s))
+            except RayTaskError as exc:  # a runner raised: the graph itself is fine
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
 
     def teardown(self) -> None:
         self.compiled.teardown()

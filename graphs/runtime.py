@@ -12,10 +12,12 @@ Requests that cannot be recovered end with finish_reason "error", never a hang.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.ray_actors import DraftActor, TargetActor
@@ -25,7 +27,29 @@ from graphs.config import EngineConfig
 from graphs.executors import ActorCallExecutor, CompiledStepExecutor, RankActors, TargetOnlyExecutor
 
 log = logging.getLogger(__name__)
-MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the budget
+
+
+class RestartBudget:
+    """At most `limit` actor restarts within any `window_s`: healthy time pays it back."""
+
+    def __init__(self, limit: int, window_s: float = RESTART_WINDOW_S):
+        self.limit, self.window_s = limit, window_s
+        self.times: deque[float] = deque()
+
+    def spend(self, now: float) -> bool:
+        """Count a restart at `now`; False once the budget is exceeded."""
+        self.times.append(now)
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        return len(self.times) <= self.limit
+
+
+def is_request_error(exc: BaseException) -> bool:
+    """A step error its inputs caused (a runner raised), as opposed to a dead or stuck actor."""
+    if isinstance(exc, RayTaskError):
+        return exc.cause is not None and not isinstance(exc.cause, RayError)
+    return not isinstance(exc, RayError)
 
 
 def graph_bundles(config: EngineConfig) -> list[dict]:
@@ -53,7 +77,9 @@ class GraphRuntime:
         ray.get([a.ready.remote() for rank in self.ranks for a in (rank.target, rank.draft)])
         self.executor = self._full_executor()
         self.pending_drafts: dict[int, ray.ObjectRef] = {}  # rank -> ready() of a restarting draft
-        self.restarts = 0
+        self.restarts = 0  # ever (stats)
+        self.budget = RestartBudget(config.max_actor_restarts * len(self.actors()))
+        self.broken: str | None = None  # why the engine cannot serve any more (its replica must go)
         dp.executor = self.executor
 
     # ---- actors ---------------------------------------------------------------------
@@ -99,7 +125,7 @@ class GraphRuntime:
         with lock:
             self._maybe_resume_speculation()
         try:
-            return self.dp.step(lock)
+            return self.dp.step(lock, is_request_error)
         except RayError as exc:
             log.warning("step failed (%s); recovering", type(exc).__name__)
             with lock:
@@ -122,8 +148,11 @@ class GraphRuntime:
         """Replace dead actors; the failed step committed nothing, so it is simply rerun."""
         self._teardown()
         self.restarts += 1
-        if self.restarts > MAX_RESTARTS * self.config.dp_size * 2:
-            return self._fail_all(f"engine could not recover after {self.restarts} actor restarts: {exc}")
+        if not self.budget.spend(time.monotonic()):
+            self.broken = (f"engine could not recover: {len(self.budget.times)} actor restarts within "
+                           f"{self.budget.window_s:.0f} s ({type(exc).__name__})")
+            log.error("%s: %s", self.broken, exc)
+            return self._fail_all(self.broken)
         self._release_step_slots()
         dead_target = False
         for r, rank in enumerate(self.ranks):

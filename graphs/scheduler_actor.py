@@ -42,6 +42,7 @@ class SchedulerActor:
         self._aborts: list[int] = []
         self._stop = False
         self._steps = 0
+        self._aborted = 0
         self._thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
         self._thread.start()
 
@@ -69,7 +70,7 @@ class SchedulerActor:
     def _apply_aborts(self) -> None:
         """Aborts wait for the step in flight to commit: its slots are still in use."""
         for rid in self._aborts:
-            self.dp.abort(rid)
+            self._aborted += self.dp.abort(rid)  # counts requests ended early, not ones already done
             self._subscribers.pop(rid, None)
         self._aborts.clear()
 
@@ -90,6 +91,9 @@ class SchedulerActor:
 
     async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
         queue: asyncio.Queue = asyncio.Queue()
+        broken = self.health()
+        if broken:
+            raise RuntimeError(f"engine broken: {broken}")
         with self._lock:
             rid = self.dp.add_request(prompt_ids, params)  # ValueError for impossible requests
             self._subscribers[rid] = (asyncio.get_running_loop(), queue)
@@ -129,10 +133,20 @@ class SchedulerActor:
                 "free_slots": self.dp.num_free_slots,
                 "kv_slots": sum(r.config.kv_slots for r in self.dp.ranks),
                 "restarts": self.runtime.restarts,
+                "aborted": self._aborted,
                 "speculating": not self.runtime.pending_drafts,
                 "execute_s": self.dp.execute_s,
                 "executed_steps": self.dp.executed_steps,
             }
+
+    def health(self) -> str | None:
+        """Why this engine cannot serve (None: it can). Reads no scheduler state, so it never
+        waits for the step lock."""
+        if self.runtime.broken:
+            return self.runtime.broken
+        if not self._thread.is_alive() and not self._stop:
+            return "the step loop has stopped"
+        return None
 
     def actors(self) -> list:
         """The rank actors (target, draft per rank), e.g. for fault-injection tests and stats."""

@@ -4,18 +4,23 @@
         [--model ...] [--speculative-algorithm ...] [--max-tokens ...] [--replicas N]
 
 Input lines: {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, with optional
-sampling fields (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos). Output
-lines: {"id", "text", "token_ids", "finish_reason", "num_output_tokens", "num_verify_steps"}.
+sampling fields (max_tokens, temperature, top_p, top_k, seed, stop, ignore_eos); any other
+field (a dataset's "category", "source", ...) is copied unchanged to the output line. Output
+lines: {"id", <other input fields>, "text", "token_ids", "finish_reason", "num_output_tokens",
+"num_verify_steps"}, plus "error" where the engine refused or failed the request
+(finish_reason "error").
 
 Bad lines (not JSON, no id, duplicate id, bad field) go to <output>.errors.jsonl with their
-line number and reason; the rest still run. A rerun skips ids already in the output, and
-output is appended one whole line at a time (a torn last line from a killed run is cut off
-on resume), so the file never holds a duplicate or a partial line.
+line number and reason; the rest still run. A rerun skips ids already in the output and
+retries the ones that ended with an error, and output is appended one whole line at a time (a
+torn last line from a killed run is cut off on resume), so the file never holds a duplicate or
+a partial line. A lock on <output>.lock refuses a second run on the same output meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import sys
@@ -27,7 +32,8 @@ from pathlib import Path
 from spec.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
-OUTPUT_FIELDS = ("id", "text", "token_ids", "finish_reason", "num_output_tokens", "num_verify_steps")
+OUTPUT_FIELDS = ("id", "text", "token_ids", "finish_reason", "num_output_tokens", "num_verify_steps", "error")
+INPUT_FIELDS = ("id", "prompt", "messages", *SAMPLING_FIELDS)
 
 
 def id_key(value) -> str:
@@ -56,27 +62,50 @@ def parse_line(raw: str, default_max_tokens: int) -> dict:
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
         ):
             raise ValueError("'messages' must be a non-empty list of {role, content} strings")
-    unknown = set(record) - {"id", "prompt", "messages", *SAMPLING_FIELDS}
-    if unknown:
-        raise ValueError(f"unknown field(s) {sorted(unknown)}")
+    extra = {k: v for k, v in record.items() if k not in INPUT_FIELDS}
+    clash = sorted(set(extra) & set(OUTPUT_FIELDS))
+    if clash:
+        raise ValueError(f"field(s) {clash} would be overwritten by the output's own (rename them)")
     fields = {k: record[k] for k in SAMPLING_FIELDS if k in record}
     fields.setdefault("max_tokens", default_max_tokens)
     fields.setdefault("temperature", 0.0)
     params = SamplingParams(**fields)  # ValueError naming the bad field
     return {"id": record["id"], "prompt": record.get("prompt"), "messages": record.get("messages"),
-            "params": asdict(params)}
+            "params": asdict(params), "extra": extra}
 
 
 def completed_ids(output: Path) -> set[str]:
-    """Ids already written; cuts a torn final line left by a killed run."""
+    """Ids already answered; cuts a torn final line left by a killed run and drops the rows
+    that ended with an error, so that they run again."""
     if not output.exists():
         return set()
     data = output.read_bytes()
     keep = data.rfind(b"\n") + 1
-    if keep != len(data):
+    lines = [line for line in data[:keep].decode().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines]
+    good = [line for line, row in zip(lines, rows) if row.get("finish_reason") != "error"]
+    if len(good) != len(lines):
+        staged = output.with_name(output.name + ".tmp")
+        staged.write_text("".join(line + "\n" for line in good))
+        os.replace(staged, output)  # whole or not at all
+    elif keep != len(data):
         with open(output, "r+b") as handle:
             handle.truncate(keep)
-    return {id_key(json.loads(line)["id"]) for line in data[:keep].decode().splitlines() if line.strip()}
+    return {id_key(json.loads(line)["id"]) for line in good}
+
+
+def lock_output(output: Path) -> int:
+    """Hold <output>.lock for this process's life (the kernel drops it when the process dies,
+    so a killed run leaves no stale lock); refuse when another run holds it."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    lock = output.with_name(output.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(f"--output {output}: another run is writing it (it holds {lock})") from None
+    return fd
 
 
 def plan(input_path: Path, output: Path, default_max_tokens: int) -> tuple[list[dict], list[dict], int]:
@@ -112,9 +141,16 @@ class GenerateBatch:
     def __call__(self, batch: dict) -> dict:
         records = [json.loads(r) for r in batch["request"]]
         outs = self.engine.generate_each(
-            [(r["messages"] or r["prompt"], SamplingParams(**r["params"])) for r in records])
-        return {"line": [json.dumps({"id": r["id"], **{k: getattr(o, k) for k in OUTPUT_FIELDS[1:]}})
-                         for r, o in zip(records, outs)]}
+            [(r["messages"] or r["prompt"], SamplingParams(**r["params"])) for r in records], errors_as_outputs=True)
+        return {"line": [json.dumps(output_row(r, o)) for r, o in zip(records, outs)]}
+
+
+def output_row(record: dict, out) -> dict:
+    """One output line: the id, the input's other fields unchanged, then the result."""
+    row = {"id": record["id"], **record["extra"], **{k: getattr(out, k) for k in OUTPUT_FIELDS[1:]}}
+    if row["error"] is None:
+        del row["error"]
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.input.is_file():
         parser.error(f"--input {args.input}: no such file")
+    errors_path = args.output.with_name(args.output.name + ".errors.jsonl")
+    if args.input.resolve() in (args.output.resolve(), errors_path.resolve()):
+        parser.error(f"--output {args.output}: must not be the input file (or its errors file)")
     engine_kwargs = dict(model=args.model, draft_model=args.draft_model, speculative_algorithm=args.speculative_algorithm,
                          num_steps=args.num_steps, eagle_topk=args.eagle_topk, num_draft_tokens=args.num_draft_tokens,
                          disable_by_batch_size=args.disable_by_batch_size, verify_budget=args.verify_budget,
@@ -155,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfig(**engine_kwargs)  # fail on a bad configuration before starting anything
     except ValueError as exc:
         parser.error(str(exc))
+    try:
+        lock_output(args.output)  # held until this process exits
+    except ValueError as exc:
+        parser.error(str(exc))
     pending, errors, done = plan(args.input, args.output, args.max_tokens)
-    errors_path = args.output.with_name(args.output.name + ".errors.jsonl")
     errors_path.write_text("".join(json.dumps(e) + "\n" for e in errors))
     print(f"{len(pending)} to generate, {done} already done, {len(errors)} bad line(s) -> {errors_path}", flush=True)
     if not pending:
@@ -172,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             GenerateBatch, fn_constructor_kwargs={"engine_kwargs": engine_kwargs}, batch_size=args.batch_size,
             concurrency=args.replicas, num_cpus=args.num_cpus_per_replica,
         )
-        start, tokens, steps = time.perf_counter(), 0, 0
+        start, tokens, steps, failed = time.perf_counter(), 0, 0, 0
         args.output.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(args.output, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
@@ -183,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                         row = json.loads(line)
                         tokens += row["num_output_tokens"]
                         steps += row["num_verify_steps"]
+                        failed += row["finish_reason"] == "error"
                     os.fsync(fd)
                     bar.update(len(batch["line"]))
         finally:
@@ -190,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     print(json.dumps({"summary": {"requests": len(pending), "output_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
                                   "acceptance_length": round(tokens / max(steps, 1), 3), "wall_s": round(wall, 2),
-                                  "errors": len(errors), "skipped_done": done}}), flush=True)
+                                  "errors": len(errors), "failed": failed, "skipped_done": done}}), flush=True)
     return 0
 
 

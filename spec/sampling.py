@@ -20,6 +20,12 @@ import torch
 # Constants below 2**63 so they fit int64; multiplication wraps (two's complement).
 _MUL_SEED, _MUL_POS, _MIX = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
 _MAX_SEED = 2**63 - 1
+# Bounds on what one request may ask for: every value must fit the int64 tensors a step is
+# built from, and stop strings are matched after every token (cost: count x length).
+MAX_TOP_K = 2**31 - 1
+MAX_TOKENS = 2**31 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 def _not_number(value) -> bool:
@@ -42,20 +48,26 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) \
+                or not 1 <= self.max_tokens <= MAX_TOKENS:
+            raise ValueError(f"max_tokens must be an integer in [1, {MAX_TOKENS}], got {self.max_tokens!r}")
         if _not_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if _not_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer up to {MAX_TOP_K}, "
+                             f"got {self.top_k!r}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed <= _MAX_SEED
         ):
             raise ValueError(f"seed must be an integer in [0, 2**63 - 1], got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:

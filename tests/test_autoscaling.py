@@ -26,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+API_KEY = "autoscaling-test-key"  # reaches the replicas as SPECGRAPH_API_KEY (the config's api_key_env)
 HEAD_CPUS = 1  # one engine replica (0.1 + 0.5 target + draft) and the ingress fit; a second needs a node
 
 FAKE_CLUSTER = {
@@ -65,7 +66,7 @@ def cluster(tmp_path_factory):
     config.write_text(yaml.safe_dump(FAKE_CLUSTER))
     dash = free_port(8400, 8999)
     env = dict(os.environ, RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", RAY_AUTH_MODE="disabled",
-               PATH=f"{VENV_BIN}:{os.environ['PATH']}")
+               SPECGRAPH_API_KEY=API_KEY, PATH=f"{VENV_BIN}:{os.environ['PATH']}")
     log = open(root / "head.log", "w")
     head = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--block", "--port=6379", f"--autoscaling-config={config}",
@@ -124,12 +125,17 @@ def test_serve_and_cluster_scale_up_and_down(cluster, tiny_target):
     received = [0]
 
     async def client(http: httpx.AsyncClient):
+        """Streams one request after another until told to stop; any error status or error
+        event ends the client with an exception, which the test reports."""
         body = {"model": str(tiny_target), "prompt": "w1 w2 w3", "max_tokens": 200, "temperature": 0,
                 "stream": True}
+        headers = {"Authorization": f"Bearer {API_KEY}"}
         while not stop.is_set():
-            async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as response:
+            async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body,
+                                   headers=headers) as response:
                 assert response.status_code == 200, await response.aread()
-                async for _ in response.aiter_lines():
+                async for line in response.aiter_lines():
+                    assert '"error"' not in line, line
                     received[0] += 1
                     if stop.is_set():
                         break
@@ -148,9 +154,12 @@ def test_serve_and_cluster_scale_up_and_down(cluster, tiny_target):
                 return _engine_replicas(), _alive_nodes()
             finally:
                 stop.set()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+                errors.extend(o for o in outcomes if isinstance(o, BaseException))
 
+    errors: list[BaseException] = []
     replicas, nodes = asyncio.run(load_until_scaled())
+    assert not errors, f"{len(errors)} load client(s) failed, first: {errors[0]!r}"
     assert received[0] > 0, "the load never got a streamed chunk back"
     engine_status = serve.status().applications["default"].deployments["SpecEngine"]
     assert replicas == 2, f"Serve did not add an engine replica under load: {engine_status}, {ray.cluster_resources()}"

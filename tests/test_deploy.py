@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
@@ -52,3 +53,37 @@ def test_kuberay_service_uses_the_same_serve_config():
     assert serve_v2["applications"] == _serve_config()["applications"]
     groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert all(g["minReplicas"] < g["maxReplicas"] for g in groups)
+
+
+def _settings(args: dict):
+    return split_args(args)[1]
+
+
+def test_deploy_configs_refuse_to_serve_the_world_without_a_key(monkeypatch):
+    """Both deploy configs bind every address and name the key's environment variable (never
+    the key itself): without the variable the app refuses to start, naming the field."""
+    service = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    for config in (_serve_config(), yaml.safe_load(service["spec"]["serveConfigV2"])):
+        host, args = config["http_options"]["host"], config["applications"][0]["args"]
+        assert "api_key" not in args and args["api_key_env"] == "SPECGRAPH_API_KEY"
+        settings = _settings(args)
+        monkeypatch.delenv("SPECGRAPH_API_KEY", raising=False)
+        with pytest.raises(ValueError, match="api_key"):
+            settings.check_exposure(host)
+        settings.check_exposure("127.0.0.1")  # loopback: a local trial needs no key
+        monkeypatch.setenv("SPECGRAPH_API_KEY", "k" * 32)
+        settings.check_exposure(host)
+        assert settings.resolved_api_key() == "k" * 32
+    # The key reaches every Ray container from a Kubernetes secret.
+    cluster = service["spec"]["rayClusterConfig"]
+    for spec in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        env = {e["name"]: e for e in spec["template"]["spec"]["containers"][0]["env"]}
+        assert "secretKeyRef" in env["SPECGRAPH_API_KEY"]["valueFrom"]
+
+
+def test_ray_dashboard_is_not_on_every_address():
+    head_params = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())[
+        "spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]
+    assert head_params["dashboard-host"] == "$(POD_IP)"
+    commands = " ".join(yaml.safe_load((DEPLOY / "cluster.yaml").read_text())["head_start_ray_commands"])
+    assert "--dashboard-host=" in commands and "0.0.0.0" not in commands

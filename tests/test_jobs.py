@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.batch_generate import completed_ids, main, parse_line, plan
+from jobs.batch_generate import GenerateBatch, completed_ids, lock_output, main, parse_line, plan
 from netutil import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ def test_parse_line_reasons():
         '{"id": 1}': "prompt",
         '{"id": 1, "prompt": "w1", "top_p": 2}': "top_p",
         '{"id": 1, "messages": []}': "messages",
-        '{"id": 1, "prompt": "w1", "colour": 1}': "colour",
+        '{"id": 1, "prompt": "w1", "text": "mine"}': "text",
     }
     for line, reason in cases.items():
         with pytest.raises(ValueError, match=reason):
@@ -58,6 +58,59 @@ def test_resume_cuts_a_torn_line_and_skips_done_ids(tmp_path):
     pending, errors, done = plan(inp, out, 8)
     assert [r["id"] for r in pending] == [3] and done == 2
     assert errors[0]["line"] == 3 and "duplicate" in errors[0]["reason"]
+
+
+def test_other_fields_pass_through_and_refused_requests_fail_alone(tiny_target):
+    """A real dataset's extra columns reach the output line unchanged; a request the engine
+    refuses (longer than the context) is an error row of its own, the batch goes on."""
+    lines = [json.dumps({"id": 1, "prompt": "w1 w2", "category": "qa", "source": {"set": "x", "n": [1, 2]}}),
+             json.dumps({"id": 2, "prompt": " ".join(["w1"] * 600)}),
+             json.dumps({"id": 3, "messages": [{"role": "user", "content": "w3"}], "tags": None})]
+    records = [parse_line(line, 4) for line in lines]
+    generate = GenerateBatch({"model": str(tiny_target)})
+    rows = [json.loads(line) for line in generate({"request": [json.dumps(r) for r in records]})["line"]]
+    assert rows[0]["category"] == "qa" and rows[0]["source"] == {"set": "x", "n": [1, 2]}
+    assert "tags" in rows[2] and rows[2]["tags"] is None
+    assert [r["finish_reason"] for r in rows] == ["length", "error", "length"]
+    assert "prompt" in rows[1]["error"] and "error" not in rows[0]
+    assert list(rows[0])[:3] == ["id", "category", "source"]
+
+
+def test_error_rows_are_retried_on_rerun(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "finish_reason": "length"}\n{"id": 2, "finish_reason": "error", "error": "x"}\n'
+                   '{"id": 3, "finish_reason": "stop"}\n{"id": 4, "fin')
+    assert completed_ids(out) == {"1", "3"}
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 3]
+
+
+def test_output_must_not_be_the_input(tmp_path, capsys):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "w1"}\n')
+    for output in (inp, tmp_path / "." / "in.jsonl"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--input", str(inp), "--output", str(output)])
+        assert exit_info.value.code == 2 and "must not be the input" in capsys.readouterr().err
+    assert inp.read_text() == '{"id": 1, "prompt": "w1"}\n'
+
+
+def test_a_second_run_on_the_same_output_is_refused(tmp_path, capsys):
+    """The lock is held by another process (a concurrent run); it goes when that process dies."""
+    out, inp = tmp_path / "out.jsonl", tmp_path / "in.jsonl"
+    inp.write_text('{"id": 1, "prompt": "w1"}\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pathlib import Path; "
+                               "from jobs.batch_generate import lock_output; lock_output(Path(sys.argv[1])); "
+                               "print('locked', flush=True); time.sleep(60)", str(out)],
+                              cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--input", str(inp), "--output", str(out)])
+        assert exit_info.value.code == 2 and "another run is writing it" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    os.close(lock_output(out))  # the dead holder left no stale lock
 
 
 @pytest.fixture(scope="module")

@@ -75,6 +75,7 @@ def test_many_concurrent_async_streams(eagle3_engine, reference):
 
 
 def test_abandoned_stream_frees_its_kv(eagle3_engine):
+    before = eagle3_engine.stats()
     stream = eagle3_engine.stream([1, 2, 3], SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
     next(stream)
     stream.close()
@@ -83,6 +84,31 @@ def test_abandoned_stream_frees_its_kv(eagle3_engine):
         time.sleep(0.1)
     stats = eagle3_engine.stats()
     assert stats["running"] == 0 and stats["free_slots"] == 4096
+    # Ended by the abort, not by running its 400 tokens (the scheduler counts only early ends).
+    assert stats["aborted"] == before["aborted"] + 1
+
+
+def test_a_poison_request_fails_alone_through_the_graph(eagle3_engine, reference):
+    """A token id outside the vocabulary (the HTTP edge refuses it; the engine API does not)
+    makes the target actor raise: that request ends with an error, the others are unharmed."""
+    prompts = [*PROMPTS[:2], [1, 2, 10**6], PROMPTS[2]]
+    outs = ray.get([eagle3_engine.scheduler.generate.remote(p, GREEDY) for p in prompts])
+    bad = outs.pop(2)
+    assert bad.finish_reason == "error" and "IndexError" in bad.error
+    assert [o.token_ids for o in outs] == reference
+    stats = eagle3_engine.stats()
+    assert stats["free_slots"] == stats["kv_slots"] and stats["restarts"] == 0
+    assert ray.get(eagle3_engine.scheduler.health.remote()) is None
+
+
+def test_infeasible_resources_fail_at_once_naming_them(tiny_target):
+    from ray.util import placement_group_table
+
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"no_such_node: needs 2, the cluster has 0") as info:
+        _ray_engine(tiny_target, dp_size=2, target_resources={"no_such_node": 1})
+    assert "dp_size=2" in str(info.value) and time.monotonic() - start < 60
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())  # none left asking
 
 
 def test_bad_request_is_a_clear_error(eagle3_engine):
@@ -93,18 +119,24 @@ def test_bad_request_is_a_clear_error(eagle3_engine):
 
 def _kill_midway(engine, which: str, reference):
     """Start long generations, kill one kind of actor once tokens flow, compare outputs."""
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     expected = engine.generate(PROMPTS, params)
+    steps = engine.stats()["steps"]  # the reference above ran steps too
     refs = [engine.scheduler.generate.remote(p, params) for p in PROMPTS]
+
+    def decoding(stats: dict) -> bool:
+        return stats["running"] == len(PROMPTS) and stats["steps"] >= steps + 3
+
     deadline = time.time() + 60
-    while engine.stats()["steps"] < 8 and time.time() < deadline:
+    while not decoding(engine.stats()) and time.time() < deadline:
         time.sleep(0.02)
     actors = engine.actors()
     victims = actors[0::2] if which == "target" else actors[1::2]
     ray.kill(victims[0])
+    assert engine.stats()["running"] == len(PROMPTS), "the kill must land while every request runs"
     outs = ray.get(refs, timeout=240)
     assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
-    assert all(o.finish_reason == "length" and o.num_output_tokens == 60 for o in outs)
+    assert all(o.finish_reason == "length" and o.num_output_tokens == 100 for o in outs)
     stats = engine.stats()
     assert stats["restarts"] >= 1 and stats["free_slots"] == stats["kv_slots"]
 
@@ -119,5 +151,27 @@ def test_actor_death_costs_no_request(tiny_target, tiny_standalone, reference, w
             engine.generate(PROMPTS[:1], GREEDY)
         assert engine.stats()["speculating"]  # the draft is back and speculation resumed
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    finally:
+        engine.shutdown()
+
+
+def test_spent_restart_budget_breaks_the_engine_visibly(tiny_target):
+    """Beyond its restart budget the engine fails its requests with an error and reports
+    itself broken (a Serve replica's health check then fails, and Serve replaces it)."""
+    engine = _ray_engine(tiny_target, "NGRAM", max_actor_restarts=0)
+    try:
+        assert ray.get(engine.scheduler.health.remote()) is None
+        ref = engine.scheduler.generate.remote(PROMPTS[0], SamplingParams(max_tokens=200, temperature=0.0,
+                                                                          ignore_eos=True))
+        deadline = time.time() + 60
+        while engine.stats()["steps"] < 2 and time.time() < deadline:
+            time.sleep(0.02)
+        ray.kill(engine.actors()[0])
+        out = ray.get(ref, timeout=120)
+        assert out.finish_reason == "error" and "could not recover" in out.error
+        assert "restarts" in ray.get(engine.scheduler.health.remote())
+        with pytest.raises(Exception, match="engine broken"):
+            engine.generate(PROMPTS[:1], GREEDY)
+        assert engine.stats()["free_slots"] == engine.stats()["kv_slots"]
     finally:
         engine.shutdown()

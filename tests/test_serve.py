@@ -59,6 +59,14 @@ def test_chat_request_translation():
     ({"prompt": "x", "max_tokens": "5"}, False, 400, "max_tokens"),
     ({"prompt": "x", "stream": "yes"}, False, 400, "stream"),
     ({"prompt": "x", "stop": [""]}, False, 400, "stop"),
+    ({"prompt": "x", "stop": ["s"] * 17}, False, 400, "stop"),
+    ({"prompt": "x", "stop": ["s" * 257]}, False, 400, "stop"),
+    ({"prompt": "x", "top_k": 2**63}, False, 400, "top_k"),
+    ({"prompt": "x", "top_k": -2}, False, 400, "top_k"),
+    ({"prompt": "x", "max_tokens": 2**40}, False, 400, "max_tokens"),
+    ({"prompt": "x", "seed": 2**64}, False, 400, "seed"),
+    ({"prompt": "x", "temperature": float("nan")}, False, 400, "temperature"),
+    ({"prompt": "x", "temperature": float("inf")}, False, 400, "temperature"),
     ({"max_tokens": 3}, False, 400, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, False, 404, "model"),
     ({"messages": []}, True, 400, "messages"),
@@ -73,6 +81,28 @@ def test_bad_requests_are_400_or_404(body, chat, status, param):
     err = info.value
     assert (err.status, err.param) == (status, param)
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_api_key_settings(monkeypatch):
+    from serve_app import ServeSettings, app_args_from_cli, parse_args
+
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    assert ServeSettings(api_key_env="MY_KEY").resolved_api_key() == "s3cret"
+    assert ServeSettings(api_key="k", api_key_env="MY_KEY").resolved_api_key() == "k"
+    monkeypatch.delenv("MY_KEY")
+    assert ServeSettings(api_key_env="MY_KEY").resolved_api_key() is None
+    for host in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        ServeSettings().check_exposure(host)
+    for host in ("0.0.0.0", "10.0.0.5", "::"):
+        with pytest.raises(ValueError, match="api_key"):
+            ServeSettings(api_key_env="MY_KEY").check_exposure(host)
+    ServeSettings(api_key="k").check_exposure("0.0.0.0")
+    # The CLI hands the replicas the variable's name, not the key.
+    monkeypatch.setenv("SPECGRAPH_API_KEY", "from-env")
+    args = app_args_from_cli(parse_args([]))
+    assert args["api_key_env"] == "SPECGRAPH_API_KEY" and "api_key" not in args
+    monkeypatch.delenv("SPECGRAPH_API_KEY")
+    assert serve_app.main(["--host", "0.0.0.0"]) == 2  # refused before Ray starts
 
 
 def test_app_args_and_deployment_options(tiny_target):
@@ -195,7 +225,7 @@ def _headers() -> dict:
 def _metrics(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", headers=_headers(), timeout=30).text
     return {s.name + json.dumps(s.labels, sort_keys=True) if s.labels else s.name: s.value
             for f in text_string_to_metric_families(text) for s in f.samples}
 
@@ -207,7 +237,9 @@ PROMPTS = ["w1 w2 w3 w4", "w10 w11 w12", "w5 w6 w5 w6 w5 w6", "w40 w41"]
 @pytest.mark.integration
 def test_health_and_models(server, client):
     assert httpx.get(f"{server}/health", timeout=30).json() == {"status": "ok"}  # no key needed
-    assert [m.id for m in client.models.list().data] == [SERVED]
+    models = httpx.get(f"{server}/v1/models", headers=_headers(), timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [SERVED]
+    assert "/" not in json.dumps(models)  # no filesystem path (the model is a folder here)
 
 
 @pytest.mark.integration
@@ -327,12 +359,23 @@ def test_error_cases(server, client):
 
         _assert_error(http.post(url, content=chunks(), headers={"Content-Type": "application/json"}), 413)
         _assert_error(http.get(f"{server}/v1/nope"), 404)
-    # Auth: /v1 needs the key; /health and /metrics stay open.
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    # Auth: /v1 and /metrics need the key; /health stays open.
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
+                    {"Authorization": f"Bearer {API_KEY}x"}):
         error = _assert_error(httpx.post(url, json={"prompt": "w1"}, headers=headers, timeout=30), 401)
         assert error["code"] == "invalid_api_key"
+        _assert_error(httpx.get(f"{server}/metrics", headers=headers, timeout=30), 401)
     _assert_error(httpx.get(f"{server}/v1/models", timeout=30), 401)
-    assert httpx.get(f"{server}/metrics", timeout=30).status_code == 200
+    assert httpx.get(f"{server}/metrics", headers=_headers(), timeout=30).status_code == 200
+    assert httpx.get(f"{server}/health", timeout=30).status_code == 200
+    # Bodies that break parsers are 400s that name nothing internal.
+    with httpx.Client(timeout=60, headers=_headers()) as http:
+        deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        _assert_error(http.post(url, content=deep, headers={"Content-Type": "application/json"}), 400)
+        _assert_error(http.post(url, content=b'{"prompt": "w1", "seed": ' + b"9" * 5000 + b"}",
+                                headers={"Content-Type": "application/json"}), 400)
+        for field, value in (("top_k", 2**63), ("stop", ["w1"] * 100), ("max_tokens", 2**63)):
+            _assert_error(http.post(url, json={"prompt": "w1", field: value}), 400, field)
 
 
 @pytest.mark.integration
@@ -381,6 +424,7 @@ def _wait_idle(engine_handle, timeout=60.0) -> dict:
 
 @pytest.mark.integration
 def test_client_disconnect_aborts_and_frees_kv(server, engine_handle):
+    before = _wait_idle(engine_handle)
     aborted_before = _metrics(server).get("specgraph_requests_aborted_total", 0)
     body = {"model": SERVED, "prompt": "w1 w2", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -392,13 +436,15 @@ def test_client_disconnect_aborts_and_frees_kv(server, engine_handle):
             assert got
     stats = _wait_idle(engine_handle)
     assert stats["running"] == 0 and stats["free_slots"] == stats["kv_slots"] == 4096
+    # The scheduler itself ended the request early (it counts only aborts of unfinished requests).
+    assert stats["aborted"] == before["aborted"] + 1
     deadline = time.time() + 30
     while time.time() < deadline:
         metrics = _metrics(server)
         if metrics["specgraph_requests_aborted_total"] > aborted_before:
             break
         time.sleep(0.2)
-    assert metrics["specgraph_requests_aborted_total"] == aborted_before + 1  # ended early: it did not run on
+    assert metrics["specgraph_requests_aborted_total"] == aborted_before + 1
     assert metrics["specgraph_kv_cache_usage"] == 0.0 and metrics["specgraph_num_requests_running"] == 0
 
 
