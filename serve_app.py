@@ -581,10 +581,11 @@ class SpecEngine:
                 "model": self.config.model, "draft_model": self.config.draft_model}
 
     async def actors(self) -> dict:
-        """This replica's actor handles (fault-injection tests, inspection): the scheduler, and
-        the target and draft actor of every rank."""
+        """This replica's actor handles (fault-injection tests, inspection): the replica itself,
+        the scheduler, and the target and draft actor of every rank."""
         ranks = await self.engine.scheduler.actors.remote()
-        return {"scheduler": self.engine.scheduler, "targets": ranks[0::2], "drafts": ranks[1::2]}
+        return {"replica": ray.get_runtime_context().current_actor, "scheduler": self.engine.scheduler,
+                "targets": ranks[0::2], "drafts": ranks[1::2]}
 
     async def metrics_snapshot(self) -> tuple[str, dict]:
         """(replica key, fresh snapshot): lets /metrics show current gauges of a replica."""

@@ -138,14 +138,16 @@ async def client(index: int, http: httpx.AsyncClient, url: str, model: str | Non
 
 
 def ray_processes() -> dict[int, str]:
-    """Every process of the Ray session this driver started: {pid: label}. Actors are labelled by
-    class (several replicas of one class by pid), the rest by process name (gcs_server, raylet...)."""
-    from ray.util.state import list_actors
-
-    labels = {p.pid: p.name() for p in psutil.Process(os.getpid()).children(recursive=True)}
-    for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
-        if actor.pid:
-            labels[actor.pid] = actor.class_name
+    """Every process of the Ray session this driver started (its children: GCS, raylet, the
+    workers): {pid: label}. A worker names itself "ray::<actor class>" (Ray's process title)."""
+    labels = {}
+    for proc in psutil.Process(os.getpid()).children(recursive=True):
+        try:
+            title = " ".join(proc.cmdline()) or proc.name()
+        except psutil.Error:
+            continue
+        # A worker's title also names the method it runs: "ray::TargetActor.forward_step".
+        labels[proc.pid] = title.split()[0][5:].split(".")[0] if title.startswith("ray::") else proc.name()
     return labels
 
 
@@ -209,17 +211,21 @@ def run_soak(url: str, headers: dict, model: str | None, prompts: list[str], con
              "first_errors": []}
     samples: list[tuple[float, dict[int, int]]] = []
     labels: dict[int, str] = {}
+    sampler_errors: list[str] = []
     stop = threading.Event()
     t0 = time.monotonic()
 
-    def sampler():  # a thread: psutil and the state API block, the clients must not wait on them
+    def sampler():  # a thread: the clients must not wait on psutil
         if stop.wait(config.warmup_s):
             return
-        labels.update(processes())
-        while True:
-            samples.append((time.monotonic() - t0, sample_rss(labels)))
-            if stop.wait(config.sample_s):
-                return
+        try:
+            labels.update(processes())
+            while True:
+                samples.append((time.monotonic() - t0, sample_rss(labels)))
+                if stop.wait(config.sample_s):
+                    return
+        except Exception as exc:  # noqa: BLE001 - reported as a failure of the run, not lost in a thread
+            sampler_errors.append(f"{type(exc).__name__}: {exc}")
 
     async def load():
         limits = httpx.Limits(max_connections=config.streams + 8, max_keepalive_connections=config.streams + 8)
@@ -239,7 +245,7 @@ def run_soak(url: str, headers: dict, model: str | None, prompts: list[str], con
     wall = time.monotonic() - t0
     after = wait_idle(kv_stats, config.idle_timeout_s)
     rss = rss_report(samples, labels, config.rss_tolerance)
-    failures = []
+    failures = [f"RSS sampling failed: {e}" for e in sampler_errors]
     if tally["errors"]:
         failures.append(f"{tally['errors']} errors for clients that stayed: {tally['first_errors']}")
     if tally["completed"] == 0:
