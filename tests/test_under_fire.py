@@ -104,7 +104,7 @@ def _wait_idle(engine_handle, timeout: float = 60.0) -> dict:
 # ---- fuzzing the OpenAPI schema ------------------------------------------------------------------
 
 
-def test_fuzzed_requests_never_get_a_5xx(server):
+def test_fuzzed_requests_never_get_a_5xx(server, tmp_path):
     """Schemathesis over the served OpenAPI schema, with the key: its CLI's boundary-value
     (coverage) and random phases on every operation, then valid bodies aimed at the served
     model, so that they reach the engine rather than a 404."""
@@ -119,7 +119,7 @@ def test_fuzzed_requests_never_get_a_5xx(server):
          "-H", f"Authorization: Bearer {API_KEY}", "-c", "not_a_server_error,no_server_error_in_stream",
          "--phases", "examples,coverage,fuzzing", "-n", "30", "--generation-deterministic", "-w", "1",
          "--continue-on-failure", "--request-timeout", "120", "--output-sanitize", "false"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,  # its cache goes there
         env={**os.environ, "SCHEMATHESIS_HOOKS": str(REPO / "tests" / "fuzz_checks.py")})
     assert cli.returncode == 0 and " passed" in cli.stdout, cli.stdout[-6000:] + cli.stderr[-2000:]
 
