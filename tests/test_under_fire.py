@@ -149,8 +149,8 @@ def test_fuzzed_requests_never_get_a_5xx(server, tmp_path):
 
 
 def test_short_soak_with_hang_ups(server, engine_handle):
-    config = soak.SoakConfig(streams=8, duration_s=20, max_tokens=48, disconnect_every=5, sample_s=2,
-                             warmup_s=5, idle_timeout_s=60)
+    config = soak.SoakConfig(streams=8, duration_s=15, max_tokens=48, disconnect_every=5, sample_s=2,
+                             warmup_s=4, idle_timeout_s=60)
     result = soak.run_soak(server, HEADERS, SERVED, PROMPTS, config, lambda: engine_handle.stats.remote().result())
     assert result["ok"], result["failures"]
     assert result["hung_up"] >= 2 and result["completed"] >= 8 and result["mismatched"] == 0, result
