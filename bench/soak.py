@@ -147,7 +147,13 @@ def ray_processes() -> dict[int, str]:
         except psutil.Error:
             continue
         # A worker's title also names the method it runs: "ray::TargetActor.forward_step".
-        labels[proc.pid] = title.split()[0][5:].split(".")[0] if title.startswith("ray::") else proc.name()
+        if title.startswith("ray::"):
+            labels[proc.pid] = title.split()[0][5:].split(".")[0]
+        elif proc.name().startswith("python"):  # Ray's helpers (log monitor, dashboard...) by script
+            scripts = [Path(a).name for a in title.split() if a.endswith(".py")]
+            labels[proc.pid] = scripts[0] if scripts else proc.name()
+        else:  # gcs_server, raylet
+            labels[proc.pid] = proc.name()
     return labels
 
 
@@ -335,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         result = run_soak(url, {}, args.served_model_name, PROMPTS, config, kv_stats)
     finally:
         stop()
+    from models.registry import DEFAULT_MODEL
+
     report = {"benchmark": "soak", "date": _dt.datetime.now().isoformat(timespec="seconds"),
-              "model": args.model, "speculative_algorithm": args.speculative_algorithm, **result}
+              "model": args.model or DEFAULT_MODEL,
+              "speculative_algorithm": args.speculative_algorithm or "server default", **result}
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

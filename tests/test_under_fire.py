@@ -118,7 +118,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, tmp_path):
     cli = subprocess.run(
         [str(Path(sys.executable).with_name("schemathesis")), "run", f"{server}/openapi.json",
          "-H", f"Authorization: Bearer {API_KEY}", "-c", "not_a_server_error,no_server_error_in_stream",
-         "--phases", "examples,coverage,fuzzing", "-n", "30", "--generation-deterministic", "-w", "1",
+         "--phases", "examples,coverage,fuzzing", "-n", "20", "--generation-deterministic", "-w", "1",
          "--continue-on-failure", "--request-timeout", "120", "--output-sanitize", "false"],
         capture_output=True, text=True, timeout=600, cwd=tmp_path,  # its cache goes there
         env={**os.environ, "SCHEMATHESIS_HOOKS": str(REPO / "tests" / "fuzz_checks.py")})
@@ -126,7 +126,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, tmp_path):
 
     failures, statuses = [], []
 
-    @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=["generate"])
     @given(case=schema["/v1/completions"]["POST"].as_strategy(generation_mode=GenerationMode.POSITIVE)
            | schema["/v1/chat/completions"]["POST"].as_strategy(generation_mode=GenerationMode.POSITIVE))
