@@ -37,6 +37,7 @@ from typing import Any, AsyncIterator, List, Literal, Optional, Union
 import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from ray import serve
@@ -614,6 +615,13 @@ class SpecEngine:
         return {"max_model_len": self.max_model_len, "algorithm": self.config.algorithm.name,
                 "model": self.config.model, "draft_model": self.config.draft_model}
 
+    async def actors(self) -> dict:
+        """This replica's actor handles (fault-injection tests, inspection): the replica itself,
+        the scheduler, and the target and draft actor of every rank."""
+        ranks = await self.engine.scheduler.actors.remote()
+        return {"replica": ray.get_runtime_context().current_actor, "scheduler": self.engine.scheduler,
+                "targets": ranks[0::2], "drafts": ranks[1::2]}
+
     async def metrics_snapshot(self) -> tuple[str, dict]:
         """(replica key, fresh snapshot): lets /metrics show current gauges of a replica."""
         await self._refresh_stats()
@@ -758,6 +766,26 @@ class SpecEngine:
 # ---- the HTTP ingress ---------------------------------------------------------------------------
 
 fastapi_app = FastAPI(title="specgraph", docs_url=None, redoc_url=None)
+
+
+def _openapi() -> dict:
+    """FastAPI's schema of the routes plus the request bodies, which the handlers read raw (to
+    answer bad JSON with OpenAI errors), so clients and fuzzers see the fields that are validated."""
+    if fastapi_app.openapi_schema is None:
+        schema = get_openapi(title=fastapi_app.title, version=fastapi_app.version, routes=fastapi_app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in (("/v1/completions", CompletionBody), ("/v1/chat/completions", ChatBody)):
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        fastapi_app.openapi_schema = schema
+    return fastapi_app.openapi_schema
+
+
+fastapi_app.openapi = _openapi
 
 
 @fastapi_app.exception_handler(RequestValidationError)
