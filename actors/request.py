@@ -121,11 +121,13 @@ class Request:
                 self.finish_reason = "length"
                 return
 
-    def take_logprobs(self) -> list:
-        """Logprob entries of the tokens committed since the last call (stream deltas)."""
-        new = self.logprobs[self.logprobs_emitted :]
-        self.logprobs_emitted = len(self.logprobs)
-        return new
+    def take_logprobs(self) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+        """(token id, logprob, top) of the tokens committed since the last call (stream deltas);
+        None where the request asked for no logprobs."""
+        if self.params.logprobs is None:
+            return None
+        start, self.logprobs_emitted = self.logprobs_emitted, len(self.logprobs)
+        return [(self.output_ids[i], lp, top) for i, (lp, top) in enumerate(self.logprobs[start:], start)]
 
     def take_delta(self) -> str:
         """New text since the last call; holds back a possible stop-string prefix until the

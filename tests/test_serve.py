@@ -30,7 +30,9 @@ def test_completion_request_translation():
     req = parse_request({"model": SERVED, "prompt": ["w1 w2"], "max_tokens": 5, "stop": "w3", "seed": 7,
                          "temperature": 0, "logprobs": None, "user": "u", "unknown_field": 1}, False, [SERVED, "/p"])
     assert (req.prompt, req.max_tokens, req.model, req.stream) == ("w1 w2", 5, SERVED, False)
-    assert req.sampling == {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": 7, "stop": ["w3"], "ignore_eos": False}
+    assert req.sampling == {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": 7, "stop": ["w3"], "ignore_eos": False,
+                            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                            "logit_bias": {}, "min_tokens": 0, "stop_token_ids": [], "min_p": 0.0, "logprobs": None}
     assert parse_request({"prompt": [[1, 2]]}, False, [SERVED]).prompt == [1, 2]
     assert parse_request({"prompt": "x"}, False, [SERVED]).max_tokens == 16  # OpenAI's default
     assert parse_request({"model": "/p", "prompt": "x"}, False, [SERVED, "/p"]).model == SERVED
@@ -52,7 +54,31 @@ def test_chat_request_translation():
     ({"prompt": "x", "temperature": -0.5}, False, 400, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, False, 400, "top_p"),
     ({"prompt": "x", "top_p": 0}, False, 400, "top_p"),
-    ({"prompt": "x", "n": 2}, False, 400, "n"),
+    ({"prompt": "x", "n": 0}, False, 400, "n"),
+    ({"prompt": "x", "n": 17}, False, 400, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, False, 400, "best_of"),
+    ({"prompt": "x", "logprobs": 6}, False, 400, "logprobs"),
+    ({"prompt": "x", "echo": True}, False, 400, "echo"),
+    ({"prompt": "x", "suffix": "y"}, False, 400, "suffix"),
+    ({"prompt": "x", "presence_penalty": 2.5}, False, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, False, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, False, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 2}, False, 400, "min_p"),
+    ({"prompt": "x", "min_tokens": 20}, False, 400, "min_tokens"),  # more than max_tokens 16
+    ({"prompt": "x", "stop_token_ids": [-4]}, False, 400, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {"w1": 3}}, False, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": 300}}, False, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, True, 400,
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, True, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, True, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, True, 400,
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, True, 400, "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}, True, 400, "function_call"),
+    ({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": True}, True, 400,
+     "parallel_tool_calls"),
     ({"prompt": ["a", "b"]}, False, 400, "prompt"),
     ({"prompt": []}, False, 400, "prompt"),
     ({"prompt": 5}, False, 400, "prompt"),
@@ -73,6 +99,37 @@ def test_bad_requests_are_400_or_404(body, chat, status, param):
     err = info.value
     assert (err.status, err.param) == (status, param)
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_sampling_fields_translation():
+    req = parse_request({"prompt": "x", "n": 3, "best_of": 3, "seed": 5, "presence_penalty": 0.5,
+                         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"3": -100, "7": 2.5},
+                         "min_tokens": 2, "stop_token_ids": [4], "min_p": 0.1, "logprobs": 2}, False, [SERVED])
+    assert req.n == 3
+    assert {k: req.sampling[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                                          "min_tokens", "stop_token_ids", "min_p", "logprobs")} == {
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {3: -100, 7: 2.5},
+        "min_tokens": 2, "stop_token_ids": [4], "min_p": 0.1, "logprobs": 2}
+    assert [req.to_engine(i)["sampling"]["seed"] for i in range(3)] == [5, 6, 7]  # each choice its own seed
+    chat = [{"role": "user", "content": "x"}]
+    assert parse_request({"messages": chat, "logprobs": True}, True, [SERVED]).sampling["logprobs"] == 0
+    assert parse_request({"messages": chat, "logprobs": True, "top_logprobs": 4}, True, [SERVED]).sampling["logprobs"] == 4
+    assert parse_request({"messages": chat, "logprobs": False}, True, [SERVED]).sampling["logprobs"] is None
+    # The "not used" values of unsupported fields pass.
+    assert parse_request({"messages": chat, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
+                         True, [SERVED]).n == 1
+
+
+def test_logprob_response_shapes():
+    entries = [{"token": "w1", "logprob": -0.5, "bytes": [119, 49], "top": [("w1", -0.5, [119, 49]), ("w2", -1.5, [119, 50])]},
+               {"token": " w3", "logprob": -2.0, "bytes": [32, 119, 51], "top": [("w4", -0.1, [119, 52])]}]
+    chat = serve_app._chat_logprobs(entries)
+    assert chat["content"][1] == {"token": " w3", "logprob": -2.0, "bytes": [32, 119, 51],
+                                  "top_logprobs": [{"token": "w4", "logprob": -0.1, "bytes": [119, 52]}]}
+    legacy = serve_app._completion_logprobs(entries, offset=4)
+    assert legacy == {"tokens": ["w1", " w3"], "token_logprobs": [-0.5, -2.0],
+                      "top_logprobs": [{"w1": -0.5, "w2": -1.5}, {" w3": -2.0, "w4": -0.1}], "text_offset": [4, 6]}
+    assert serve_app._chat_logprobs(None) is None and serve_app._completion_logprobs(None) is None
 
 
 def test_app_args_and_deployment_options(tiny_target):
@@ -293,7 +350,8 @@ def test_error_cases(server, client):
         (dict(prompt="w1", temperature=-1), "temperature"),
         (dict(prompt="w1", top_p=0), "top_p"),
         (dict(prompt="w1", top_p=1.2), "top_p"),
-        (dict(prompt="w1", n=3), "n"),
+        (dict(prompt="w1", n=17), "n"),
+        (dict(prompt="w1", logit_bias={"70": 1}), "logit_bias"),  # outside the vocabulary of 64
         (dict(prompt=" ".join(["w1"] * 300)), "prompt"),  # longer than max_model_len 256
         (dict(prompt=[1, 2, 999]), "prompt"),  # token id outside the vocabulary
     ]
