@@ -329,6 +329,78 @@ def test_seed_makes_sampling_reproducible(client):
     assert len({sample(1), sample(2), sample(3)}) > 1
 
 
+@pytest.mark.integration
+def test_logprobs_chat_and_completions(client):
+    """Logprobs come back in OpenAI's shapes, streamed or not, and agree with each other."""
+    messages = [{"role": "user", "content": "w1 w2 w3"}]
+    chat = client.chat.completions.create(model=SERVED, messages=messages, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True}, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    # Word-level tokenizer: each token decodes to its word.
+    assert [c.token for c in content] == chat.choices[0].message.content.split()
+    for c in content:  # greedy: the emitted token is the most likely one
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob) and c.logprob <= 0
+        assert bytes(c.bytes).decode() == c.token
+    streamed = list(client.chat.completions.create(model=SERVED, messages=messages, logprobs=True, top_logprobs=3,
+                                                   stream=True, extra_body={"ignore_eos": True}, **GREEDY))
+    stream_content = [c for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                      for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in stream_content] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = client.chat.completions.create(model=SERVED, messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None
+    comp = client.completions.create(model=SERVED, prompt="w1 w2 w3", logprobs=2, extra_body={"ignore_eos": True},
+                                     **GREEDY)
+    lp = comp.choices[0].logprobs
+    assert lp.tokens == [c.token for c in content]
+    assert lp.token_logprobs == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert all(len(top) == 2 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+@pytest.mark.integration
+def test_n_choices_and_penalties(client):
+    """n choices are independent samples (seeded: choice i reproducible); penalties and logit_bias
+    change what greedy decoding says; each choice streams under its own index."""
+    kw = dict(model=SERVED, prompt="w1 w2 w3", temperature=1.0, max_tokens=10, extra_body={"ignore_eos": True})
+    out = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2] and len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 30 and out.usage.prompt_tokens == 3
+    again = client.completions.create(n=3, seed=11, **kw)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert client.completions.create(n=1, seed=12, **kw).choices[0].text == out.choices[1].text  # seed + index
+    chunks = list(client.completions.create(n=2, seed=11, stream=True, **kw))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(2)]
+    assert texts == [c.text for c in out.choices[:2]]
+    base = client.completions.create(model=SERVED, prompt="w1 w2 w3", extra_body={"ignore_eos": True}, **GREEDY)
+    words = base.choices[0].text.split()
+    first = int(words[0][1:])  # word-level tokenizer: "wN" is token id N
+    banned = client.completions.create(model=SERVED, prompt="w1 w2 w3", logit_bias={str(first): -100},
+                                       extra_body={"ignore_eos": True}, **GREEDY)
+    assert banned.choices[0].text.split()[0] != words[0]
+    penalised = client.completions.create(model=SERVED, prompt="w1 w2 w3", frequency_penalty=2.0,
+                                          presence_penalty=2.0, extra_body={"ignore_eos": True,
+                                                                           "repetition_penalty": 2.0}, **GREEDY)
+    assert len(set(penalised.choices[0].text.split())) >= len(set(words))
+    assert penalised.choices[0].text != base.choices[0].text
+    stop_id = int(words[2][1:])
+    stopped = client.completions.create(model=SERVED, prompt="w1 w2 w3", extra_body={"stop_token_ids": [stop_id]},
+                                        **GREEDY)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text.split() == words[:2]
+
+
+@pytest.mark.integration
+def test_unsupported_fields_are_400(client):
+    import openai
+
+    messages = [{"role": "user", "content": "w1"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for kwargs, param in ((dict(tools=[tool]), "tools"), (dict(response_format={"type": "json_object"}), "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=SERVED, messages=messages, **kwargs)
+        assert info.value.body["param"] == param and param in info.value.body["message"]
+
+
 def _assert_error(response: httpx.Response, status: int, param: str | None = "unset") -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
