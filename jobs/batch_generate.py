@@ -26,7 +26,9 @@ from pathlib import Path
 
 from spec.sampling import SamplingParams
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "min_p",
+                   "logprobs")
 OUTPUT_FIELDS = ("id", "text", "token_ids", "finish_reason", "num_output_tokens", "num_verify_steps")
 
 
@@ -113,7 +115,8 @@ class GenerateBatch:
         records = [json.loads(r) for r in batch["request"]]
         outs = self.engine.generate_each(
             [(r["messages"] or r["prompt"], SamplingParams(**r["params"])) for r in records])
-        return {"line": [json.dumps({"id": r["id"], **{k: getattr(o, k) for k in OUTPUT_FIELDS[1:]}})
+        return {"line": [json.dumps({"id": r["id"], **{k: getattr(o, k) for k in OUTPUT_FIELDS[1:]},
+                                     **({} if o.logprobs is None else {"logprobs": o.logprobs})})
                          for r, o in zip(records, outs)]}
 
 

@@ -57,7 +57,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self.logit_bias = dict(self.logit_bias or {})
+        # JSON object keys are strings: "42" names token 42 (OpenAI's logit_bias format).
+        self.logit_bias = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                           for k, v in dict(self.logit_bias or {}).items()}
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if _not_number(self.temperature) or not 0.0 <= self.temperature <= 100.0:
