@@ -201,7 +201,9 @@ class Scheduler:
             min_tokens=longs([r.params.min_tokens for r in requests]),
             repetition_penalty=floats("repetition_penalty"), presence_penalty=floats("presence_penalty"),
             frequency_penalty=floats("frequency_penalty"),
-            stop_ids=self._padded([r.stop_ids if r.params.min_tokens else [] for r in requests], -1),
+            # Stop ids only matter while min_tokens holds them back (then the processors stay off).
+            stop_ids=self._padded([r.stop_ids if len(r.output_ids) < r.params.min_tokens else [] for r in requests],
+                                  -1),
             bias_ids=self._padded([list(r.params.logit_bias) for r in requests], -1),
             bias_values=self._padded([list(r.params.logit_bias.values()) for r in requests], 0,
                                      torch.float32),
