@@ -293,20 +293,22 @@ def test_stop_token_ids_end_the_output_after_min_tokens(tiny_target, reference):
 
 
 def test_logprobs_are_the_targets_log_softmax(tiny_target):
-    """Logprobs returned through verification (the target as its own draft: most tokens come from
-    accepted drafts) equal log_softmax of transformers' logits on prompt + output."""
+    """Logprobs returned through verification equal log_softmax of transformers' logits on prompt +
+    output. The target drafts for itself: greedy requests accept every draft; the sampled one
+    first in the batch rejects some, so the others' rows sit at other offsets of the logits."""
     import torch
     from transformers import AutoModelForCausalLM
 
     engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),
-              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=10, temperature=0.8, seed=3, ignore_eos=True, logprobs=0,
-                             repetition_penalty=1.2)]
-    outs = _run_params(engine, params)
-    assert outs[1].logprobs is None and sum(sum(o.accept_lens) for o in outs) > 0
+    params = [SamplingParams(max_tokens=10, temperature=1.5, seed=3, ignore_eos=True, logprobs=0,
+                             repetition_penalty=1.2),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]
+    outs = _run_params(engine, params, [PROMPTS[2], PROMPTS[0], PROMPTS[1]])
+    assert outs[2].logprobs is None and sum(outs[1].accept_lens) > 0
+    assert outs[0].num_verify_steps > 1 + -(-(10 - 1) // 5)  # the sampled one rejected some drafts
     model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    for prompt, out, k in ((PROMPTS[0], outs[0], 3), (PROMPTS[2], outs[2], 0)):
+    for prompt, out, k in ((PROMPTS[2], outs[0], 0), (PROMPTS[0], outs[1], 3)):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
         ref = logits[len(prompt) - 1 : -1].log_softmax(-1)  # (T, V): the distribution of each output token
