@@ -319,3 +319,12 @@ def test_logprobs_are_the_targets_log_softmax(tiny_target):
             values, ids = row.topk(k)
             assert [t for t, _ in top] == ids.tolist()
             assert torch.allclose(torch.tensor([v for _, v in top]).reshape(-1), values, atol=1e-4)
+
+
+def test_min_p_one_samples_the_top_token(tiny_target, reference):
+    """min_p = 1 keeps only the most likely token: sampling (through prefill and verification)
+    gives greedy's output."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    params = [SamplingParams(max_tokens=m, temperature=1.5, seed=i, min_p=1.0, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    assert [o.token_ids for o in _run_params(engine, params)] == reference
