@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, AsyncIterator, List, Literal, Optional, Union
+from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
 
 import ray
 from fastapi import FastAPI, Request
@@ -49,7 +49,7 @@ from graphs.metrics import ServeMetrics, merge, render
 from graphs.runtime import graph_bundles
 from models.registry import DEFAULT_MODEL, REGISTRY
 from spec.algorithm import SpecAlgorithm
-from spec.sampling import SamplingParams
+from spec.sampling import MAX_LOGPROBS, SamplingParams, child_seed
 
 log = logging.getLogger("serve_app")
 
@@ -261,7 +261,21 @@ class APIError(Exception):
 
 
 ENGINE_ERROR = "the engine failed this request (details are in the server log)"
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "min_p",
+                   "logprobs")
+MAX_N = 16  # choices per request (each runs as its own request in the batch)
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions `logprobs` (OpenAI's limit; chat allows MAX_LOGPROBS)
+# OpenAI (and vLLM) fields this server does not implement, with the values that mean "not used":
+# any other value is refused with 400 naming the field, never silently ignored.
+UNSUPPORTED_FIELDS = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "echo": (None, False),
+    "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,), "structured_outputs": (None,), "prompt_logprobs": (None,),
+    "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+}
 
 
 def _param_of(message: str) -> str | None:
@@ -305,13 +319,18 @@ class _CommonBody(_Lenient):
     user: Optional[str] = None
     ignore_eos: Optional[bool] = None
     best_of: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[List[int]] = None
+    min_p: Optional[float] = None
 
 
 class CompletionBody(_CommonBody):
     prompt: Union[str, List[int], List[str], List[List[int]]]
-    echo: Optional[bool] = None
     logprobs: Optional[int] = None
-    suffix: Optional[str] = None
 
 
 class ChatBody(_CommonBody):
@@ -333,9 +352,14 @@ class GenRequest:
     sampling: dict = field(default_factory=dict)  # SamplingParams kwargs other than max_tokens
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # independent choices, each its own engine request
 
-    def to_engine(self) -> dict:
-        return asdict(self)
+    def to_engine(self, index: int = 0) -> dict:
+        """Choice `index`'s engine request: a given seed becomes that choice's derived seed."""
+        out = asdict(self)
+        if out["sampling"].get("seed") is not None:
+            out["sampling"]["seed"] = child_seed(out["sampling"]["seed"], index)
+        return out
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -373,22 +397,34 @@ def parse_request(body: Any, chat: bool, served_names: list[str]) -> GenRequest:
     if req.model is not None and req.model not in served_names:
         raise APIError(404, f"The model '{req.model}' does not exist; this server serves {served_names[0]!r}",
                        "model", "model_not_found")
-    for name in ("n", "best_of"):
-        value = getattr(req, name)
-        if value is not None and value != 1:
-            raise APIError(400, f"{name}: only 1 is supported, got {value}", name, "invalid_value")
+    for name, unused in UNSUPPORTED_FIELDS.items():
+        if body.get(name) not in unused:
+            raise APIError(400, f"{name}: not supported by this server", name, "unsupported_parameter")
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n: must be in [1, {MAX_N}], got {n}", "n", "invalid_value")
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(400, f"best_of: only best_of == n is supported, got {req.best_of} with n {n}", "best_of",
+                       "invalid_value")
     if chat:
-        if req.logprobs or req.top_logprobs:
-            raise APIError(400, "logprobs: not supported", "logprobs", "invalid_value")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", "top_logprobs", "invalid_value")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                           "top_logprobs", "invalid_value")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
-        if req.echo:
-            raise APIError(400, "echo: not supported", "echo", "invalid_value")
-        if req.logprobs:
-            raise APIError(400, "logprobs: not supported", "logprobs", "invalid_value")
-        if req.suffix:
-            raise APIError(400, "suffix: not supported", "suffix", "invalid_value")
+        logprobs = req.logprobs
+        if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"logprobs: must be in [0, {MAX_COMPLETION_LOGPROBS}], got {logprobs}", "logprobs",
+                           "invalid_value")
+    logit_bias = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias", "invalid_value")
+        logit_bias[int(key)] = value
 
-    out = GenRequest(chat=chat, model=served_names[0], stream=bool(req.stream),
+    out = GenRequest(chat=chat, model=served_names[0], stream=bool(req.stream), n=n,
                      include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage))
     if chat:
         if not req.messages:
@@ -414,9 +450,14 @@ def parse_request(body: Any, chat: bool, served_names: list[str]) -> GenRequest:
         seed=req.seed,
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         ignore_eos=bool(req.ignore_eos),
+        presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias, min_tokens=req.min_tokens or 0, stop_token_ids=list(req.stop_token_ids or []),
+        min_p=req.min_p or 0.0, logprobs=logprobs,
     )
     try:  # the engine's own rules, checked here so the client hears about them first
-        SamplingParams(max_tokens=1 if out.max_tokens is None else out.max_tokens, **sampling)
+        SamplingParams(max_tokens=max(1, sampling["min_tokens"]) if out.max_tokens is None else out.max_tokens,
+                       **sampling)
     except ValueError as exc:
         raise APIError(400, str(exc), _param_of(str(exc)), "invalid_value") from None
     out.sampling = sampling
@@ -431,20 +472,53 @@ def usage_of(result: dict) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def completion_response(req: GenRequest, result: dict, rid: str, created: int) -> dict:
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
-                  "finish_reason": result["finish_reason"]}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": result["text"], "logprobs": None, "finish_reason": result["finish_reason"]}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": req.model, "choices": [choice],
-            "usage": usage_of(result)}
+def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    if entries is None:
+        return None
+    return {"content": [{"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"],
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": b} for t, lp, b in e["top"]]}
+                        for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict] | None, offset: int = 0) -> dict | None:
+    """OpenAI completions shape: tokens, token_logprobs, top_logprobs (token -> logprob, the emitted
+    token included, as vLLM does) and text_offset (from `offset`, the text already sent)."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{e["token"]: e["logprob"], **{t: lp for t, lp, _ in e["top"]}} for e in entries],
+            "text_offset": offsets}
+
+
+def _usage_all(results: list[dict]) -> dict:
+    """Usage of n choices: the prompt once, every choice's completion tokens."""
+    return usage_of({"prompt_tokens": results[0]["prompt_tokens"],
+                     "completion_tokens": sum(r["completion_tokens"] for r in results)})
+
+
+def completion_response(req: GenRequest, results: list[dict], rid: str, created: int) -> dict:
+    choices = []
+    for index, result in enumerate(results):
+        if req.chat:
+            choices.append({"index": index, "message": {"role": "assistant", "content": result["text"]},
+                            "logprobs": _chat_logprobs(result.get("logprobs")),
+                            "finish_reason": result["finish_reason"]})
+        else:
+            choices.append({"index": index, "text": result["text"],
+                            "logprobs": _completion_logprobs(result.get("logprobs")),
+                            "finish_reason": result["finish_reason"]})
+    return {"id": rid, "object": "chat.completion" if req.chat else "text_completion", "created": created,
+            "model": req.model, "choices": choices, "usage": _usage_all(results)}
 
 
 def stream_chunk(req: GenRequest, rid: str, created: int, *, text: str | None = None, role: bool = False,
-                 finish_reason: str | None = None, usage: dict | None = None, final_usage: bool = False) -> str:
+                 finish_reason: str | None = None, usage: dict | None = None, final_usage: bool = False,
+                 index: int = 0, logprobs: dict | None = None) -> str:
     obj = "chat.completion.chunk" if req.chat else "text_completion"
     chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": req.model}
     if final_usage:
@@ -456,9 +530,10 @@ def stream_chunk(req: GenRequest, rid: str, created: int, *, text: str | None = 
             delta["content"] = ""
         if text is not None:
             delta["content"] = text
-        chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        chunk["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     else:
-        chunk["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+        chunk["choices"] = [{"index": index, "text": text or "", "logprobs": logprobs,
+                             "finish_reason": finish_reason}]
     if req.include_usage:
         chunk["usage"] = usage
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
@@ -584,6 +659,7 @@ class SpecEngine:
         self.inflight = 0
         self.waiting = 0  # the scheduler's queue, as last seen
         self._probe, self._probe_at = None, 0.0
+        self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once
         self.metrics = ServeMetrics()
         if self.config.algorithm is not SpecAlgorithm.NONE:
             self.metrics.set_draft_depth(self.config.num_steps)
@@ -691,6 +767,7 @@ class SpecEngine:
                            "context_length_exceeded")
         try:
             params = SamplingParams(max_tokens=max_tokens, **req["sampling"])
+            params.check_vocab(self.vocab_size)
         except ValueError as exc:
             raise APIError(400, str(exc), _param_of(str(exc)), "invalid_value") from None
         return ids, params
@@ -720,13 +797,14 @@ class SpecEngine:
                 if first_at is None:
                     first_at = now
                     self.metrics.record_first_token(now - start)
+                logprobs = self._logprob_entries(event.get("logprobs"))
                 if not event["finished"]:
-                    yield {"delta": event["delta"]}
+                    yield {"delta": event["delta"], "logprobs": logprobs}
                     continue
                 out = event["output"]
                 finished = True
                 self.metrics.record_finished(out, first_at, now)
-                yield {"delta": event["delta"], "finished": True, "text": out.text,
+                yield {"delta": event["delta"], "logprobs": logprobs, "finished": True, "text": out.text,
                        "finish_reason": out.finish_reason, "error": out.error,
                        "prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
                        "verify_steps": out.num_verify_steps}
@@ -754,12 +832,30 @@ class SpecEngine:
         async for event in self._events(req):
             yield event
 
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.engine.tokenizer.decode([token])
+        return text
+
+    def _logprob_entries(self, raw: list | None) -> list[dict] | None:
+        """The scheduler's (id, logprob, [(top id, logprob)]) -> {"token", "logprob", "bytes", "top":
+        [(token, logprob, bytes)]} (token texts decoded one token at a time, bytes their UTF-8)."""
+        if raw is None:
+            return None
+        text = self._token_text
+        return [{"token": text(t), "logprob": lp, "bytes": list(text(t).encode()),
+                 "top": [(text(i), v, list(text(i).encode())) for i, v in top]} for t, lp, top in raw]
+
     async def complete(self, req: dict) -> dict:
-        final = None
+        final, logprobs = None, []
         async for event in self._events(req):
             if "failed" in event:
                 return event
             final = event
+            logprobs += event.get("logprobs") or []
+        if final is not None:
+            final["logprobs"] = logprobs if req["sampling"].get("logprobs") is not None else None
         return final or APIError(500, "the engine ended the request without a result", None, "engine_error").event()
 
 
@@ -874,25 +970,30 @@ class OpenAIIngress:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             created = int(time.time())
             if req.stream:
-                gen = self.engine_stream.stream.remote(req.to_engine())
+                gens = [self.engine_stream.stream.remote(req.to_engine(i)) for i in range(req.n)]
                 try:
-                    first = await gen.__anext__()
+                    firsts = [await gen.__anext__() for gen in gens]
                 except BaseException:
-                    gen.cancel()
+                    for gen in gens:
+                        gen.cancel()
                     raise
-                if "failed" in first:
-                    raise APIError.from_event(first)
+                failed = next((f for f in firsts if "failed" in f), None)
+                if failed is not None:
+                    for gen in gens:
+                        gen.cancel()
+                    raise APIError.from_event(failed)
                 response: Response = StreamingResponse(
-                    self._sse(req, rid, created, first, gen), media_type="text/event-stream",
+                    self._sse(req, rid, created, firsts, gens), media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             else:
-                result = await self.engine.complete.remote(req.to_engine())
-                if "failed" in result:
-                    raise APIError.from_event(result)
-                if result.get("finish_reason") == "error":
-                    log.warning("request %s failed in the engine: %s", rid, result.get("error"))
-                    raise APIError(500, ENGINE_ERROR, None, "engine_error")
-                response = JSONResponse(completion_response(req, result, rid, created))
+                results = await asyncio.gather(*[self.engine.complete.remote(req.to_engine(i)) for i in range(req.n)])
+                for result in results:
+                    if "failed" in result:
+                        raise APIError.from_event(result)
+                    if result.get("finish_reason") == "error":
+                        log.warning("request %s failed in the engine: %s", rid, result.get("error"))
+                        raise APIError(500, ENGINE_ERROR, None, "engine_error")
+                response = JSONResponse(completion_response(req, list(results), rid, created))
         except APIError as exc:
             response = exc.response()
         except Exception as exc:  # noqa: BLE001
@@ -907,41 +1008,76 @@ class OpenAIIngress:
         self.metrics.record_request(endpoint, response.status_code)
         return response
 
-    async def _sse(self, req: GenRequest, rid: str, created: int, first: dict, gen) -> AsyncIterator[str]:
-        finished = False
+    @staticmethod
+    async def _merged(firsts: list[dict], gens: list) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, event) from n engine streams as they arrive; an exception in place of
+        the event where a stream broke (that choice then ends)."""
+        for index, first in enumerate(firsts):
+            yield index, first
+        pending = {asyncio.ensure_future(gen.__anext__()): i for i, gen in enumerate(gens)
+                   if not firsts[i].get("finished")}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    index = pending.pop(task)
+                    try:
+                        event = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - the engine replica failed mid-stream
+                        yield index, exc
+                        continue
+                    yield index, event
+                    if not event.get("finished"):
+                        pending[asyncio.ensure_future(gens[index].__anext__())] = index
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _sse(self, req: GenRequest, rid: str, created: int, firsts: list[dict], gens: list) -> AsyncIterator[str]:
+        done: set[int] = set()
+        finals: list[dict] = []
+        offsets = [0] * len(gens)  # completions' text_offset: text sent so far per choice
+
+        def logprobs_of(index: int, event: dict) -> dict | None:
+            if req.chat:
+                return _chat_logprobs(event.get("logprobs"))
+            shaped = _completion_logprobs(event.get("logprobs"), offsets[index])
+            offsets[index] += len(event.get("delta") or "")
+            return shaped
+
         try:
             if req.chat:
-                yield stream_chunk(req, rid, created, role=True)
-            event = first
-            while True:
-                if event.get("delta"):
-                    yield stream_chunk(req, rid, created, text=event["delta"])
+                for index in range(len(gens)):
+                    yield stream_chunk(req, rid, created, role=True, index=index)
+            async for index, event in self._merged(firsts, gens):
+                if isinstance(event, Exception):
+                    log.warning("stream broke: %s", event)
+                    done.add(index)
+                    err = APIError(500, ENGINE_ERROR, None, "engine_error").body()
+                    yield f"data: {json.dumps(err)}\n\n"
+                    continue
+                if event.get("delta") or event.get("logprobs"):
+                    yield stream_chunk(req, rid, created, text=event.get("delta") or "", index=index,
+                                       logprobs=logprobs_of(index, event))
                 if event.get("finished"):
-                    finished = True
+                    done.add(index)
                     if event.get("finish_reason") == "error":
                         log.warning("request %s failed in the engine: %s", rid, event.get("error"))
                         err = APIError(500, ENGINE_ERROR, None, "engine_error").body()
                         yield f"data: {json.dumps(err)}\n\n"
-                    else:
-                        yield stream_chunk(req, rid, created, text=None if req.chat else "",
-                                           finish_reason=event["finish_reason"])
-                        if req.include_usage:
-                            yield stream_chunk(req, rid, created, usage=usage_of(event), final_usage=True)
-                    break
-                try:
-                    event = await gen.__anext__()
-                except StopAsyncIteration:
-                    break
-                except Exception as exc:  # noqa: BLE001 - the engine replica failed mid-stream
-                    log.warning("stream broke: %s", exc)
-                    finished = True
-                    err = APIError(500, ENGINE_ERROR, None, "engine_error").body()
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
+                        continue
+                    finals.append(event)
+                    yield stream_chunk(req, rid, created, text=None if req.chat else "",
+                                       finish_reason=event["finish_reason"], index=index)
+            if req.include_usage and finals:
+                yield stream_chunk(req, rid, created, usage=_usage_all(finals), final_usage=True)
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                gen.cancel()  # the client went away (or the stream broke): abort, free the KV
+            for index, gen in enumerate(gens):
+                if index not in done:
+                    gen.cancel()  # the client went away (or the stream broke): abort, free the KV
 
     # ---- routes ----------------------------------------------------------------------
 

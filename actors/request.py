@@ -49,6 +49,8 @@ class RequestOutput:
     num_verify_steps: int
     accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
     error: str | None = None
+    # Per output token where asked (SamplingParams.logprobs): (raw logprob, [(top id, logprob), ...]).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,6 +80,9 @@ class Request:
         self.num_verify_steps = 0
         self.accept_lens: list[int] = []
         self.reserved = 0  # KV slots reserved for this request's lifetime
+        self.stop_ids = params.stop_ids(eos_ids)  # ids that end the output (EOS unless ignored, stop_token_ids)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.logprobs_emitted = 0  # entries of `logprobs` handed out with stream deltas
 
     @property
     def seq_len(self) -> int:
@@ -87,29 +92,42 @@ class Request:
     def max_new_tokens(self) -> int:
         return min(self.params.max_tokens, self.max_model_len - len(self.prompt_ids))
 
-    def append_tokens(self, tokens: list[int]) -> None:
-        """Append verified tokens one by one, stopping at EOS, a stop string, max_tokens or
-        the context length; tokens after the stop are dropped."""
-        stops = self.params.stop
-        for token in tokens:
+    def append_tokens(self, tokens: list[int], logprobs: list | None = None) -> None:
+        """Append verified tokens one by one, stopping at EOS or a stop id (its text left out),
+        a stop string, max_tokens or the context length; tokens after the stop are dropped.
+        No stop applies before min_tokens output tokens (vLLM)."""
+        stops, stop_ids = self.params.stop, self.stop_ids
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
-            is_eos = token in self.eos_ids and not self.params.ignore_eos
+            if self.params.logprobs is not None and logprobs is not None:
+                lp, top = logprobs[i]
+                self.logprobs.append((lp, top[: self.params.logprobs]))
+            may_stop = len(self.output_ids) > self.params.min_tokens
+            is_stop_id = may_stop and token in stop_ids
             at_limit = len(self.output_ids) >= self.max_new_tokens
             before = len(self.text)
-            self.text += self.detok.add(token, final=is_eos or at_limit)
-            if stops:
+            self.text += self.detok.flush() if is_stop_id else self.detok.add(token, final=at_limit)
+            if stops and may_stop:
                 window = self.text[max(0, before - max(map(len, stops)) + 1) :]
                 hits = [window.find(s) for s in stops if s in window]
                 if hits:
                     self.text = self.text[: len(self.text) - len(window) + min(hits)]
                     self.finish_reason = "stop"
                     return
-            if is_eos:
+            if is_stop_id:
                 self.finish_reason = "stop"
                 return
             if at_limit:
                 self.finish_reason = "length"
                 return
+
+    def take_logprobs(self) -> list[tuple[int, float, list[tuple[int, float]]]] | None:
+        """(token id, logprob, top) of the tokens committed since the last call (stream deltas);
+        None where the request asked for no logprobs."""
+        if self.params.logprobs is None:
+            return None
+        start, self.logprobs_emitted = self.logprobs_emitted, len(self.logprobs)
+        return [(self.output_ids[i], lp, top) for i, (lp, top) in enumerate(self.logprobs[start:], start)]
 
     def take_delta(self) -> str:
         """New text since the last call; holds back a possible stop-string prefix until the
@@ -126,4 +144,5 @@ class Request:
             finish_reason=self.finish_reason, num_prompt_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.output_ids), num_verify_steps=self.num_verify_steps,
             accept_lens=list(self.accept_lens), error=self.error,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
         )

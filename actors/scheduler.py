@@ -56,6 +56,7 @@ class SchedulerConfig:
     max_prefill_tokens: int
     max_model_len: int
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
+    vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
 
 
 class Scheduler:
@@ -73,6 +74,7 @@ class Scheduler:
         self._failed: list[Request] = []  # failed outside a step's own requests, not yet reported
         self._next_rid = 0
         self._rng = random.SystemRandom()
+        self.vocab_size = config.vocab_size or len(tokenizer)
 
     def _idle_draft_input(self) -> DraftInput:
         return DraftInput.create_idle(self.config.hidden_spec, self.config.topk_width)
@@ -94,6 +96,7 @@ class Scheduler:
             rid = self._next_rid
             self._next_rid += 1
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
+        params.check_vocab(self.vocab_size)
         request = Request(rid, list(prompt_ids), params, seed, IncrementalDetokenizer(self.tokenizer),
                           self.eos_ids, limit)
         request.reserved = len(prompt_ids) + request.max_new_tokens + 2 * self.per_step_slots
@@ -241,9 +244,9 @@ class Scheduler:
         request whose tokens raise ends with an error alone (retired with the finished)."""
         self._inflight = None
         if plan.kind == "prefill":
-            for request, tokens in zip(plan.requests, ext.new_token_ids()):
+            for request, tokens, logprobs in zip(plan.requests, ext.new_token_ids(), ext.new_logprobs()):
                 request.num_verify_steps += 1
-                self._append(request, tokens)
+                self._append(request, tokens, logprobs)
             self.running.extend(plan.requests)
             self.draft_input = self.draft_input.merge(draft_input)
         elif plan.kind == "decode":
@@ -255,20 +258,21 @@ class Scheduler:
                 self.running = [self.running[i] for i in plan.rows] + [self.running[i] for i in others]
             self.slots.free(plan.meta.scratch_slots.reshape(-1))
             committed = torch.split(ext.slots, ext.extend_lens.tolist())
-            for b, (request, kept, tokens) in enumerate(zip(plan.requests, committed, ext.new_token_ids())):
+            for b, (request, kept, tokens, logprobs) in enumerate(
+                    zip(plan.requests, committed, ext.new_token_ids(), ext.new_logprobs())):
                 keep = set(kept.tolist())
                 self.slots.free([x for x in plan.meta.verify_slots[b].tolist() if x not in keep])
                 request.slots.extend(kept.tolist())
                 request.num_verify_steps += 1
                 request.accept_lens.append(len(tokens) - 1)
-                self._append(request, tokens)
+                self._append(request, tokens, logprobs)
         self._retire_finished()
         return list(plan.requests)
 
     @staticmethod
-    def _append(request: Request, tokens: list[int]) -> None:
+    def _append(request: Request, tokens: list[int], logprobs: list | None) -> None:
         try:
-            request.append_tokens(tokens)
+            request.append_tokens(tokens, logprobs)
         except Exception as exc:  # noqa: BLE001 - e.g. its detokenizer or stop rules raising
             log.warning("request %s failed committing its tokens: %s", request.rid, exc)
             request.finish_reason, request.error = "error", f"{type(exc).__name__}: {exc}"
@@ -288,19 +292,32 @@ class Scheduler:
         return admitted
 
     def _sampling_fields(self, requests: list[Request]) -> dict[str, torch.Tensor]:
+        """Every per-request sampling input of BatchMeta but the history (see spec.batch)."""
+        floats = lambda name: torch.tensor([float(getattr(r.params, name)) for r in requests])  # noqa: E731
+        longs = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
         return dict(
-            temperature=torch.tensor([float(r.params.temperature) for r in requests]),
-            top_p=torch.tensor([float(r.params.top_p) for r in requests]),
-            top_k=torch.tensor([int(r.params.top_k) for r in requests], dtype=torch.long),
-            seeds=torch.tensor([r.seed for r in requests], dtype=torch.long),
+            temperature=floats("temperature"), top_p=floats("top_p"), min_p=floats("min_p"),
+            top_k=longs([int(r.params.top_k) for r in requests]), seeds=longs([r.seed for r in requests]),
+            prompt_lens=longs([len(r.prompt_ids) for r in requests]),
+            num_output=longs([len(r.output_ids) for r in requests]),
+            min_tokens=longs([r.params.min_tokens for r in requests]),
+            repetition_penalty=floats("repetition_penalty"), presence_penalty=floats("presence_penalty"),
+            frequency_penalty=floats("frequency_penalty"),
+            # Stop ids only matter while min_tokens holds them back (then the processors stay off).
+            stop_ids=self._padded([r.stop_ids if len(r.output_ids) < r.params.min_tokens else [] for r in requests],
+                                  -1),
+            bias_ids=self._padded([list(r.params.logit_bias) for r in requests], -1),
+            bias_values=self._padded([list(r.params.logit_bias.values()) for r in requests], 0,
+                                     torch.float32),
+            num_logprobs=longs([-1 if r.params.logprobs is None else r.params.logprobs for r in requests]),
         )
 
     @staticmethod
-    def _padded(rows: list[list[int]], pad: int) -> torch.Tensor:
+    def _padded(rows: list[list], pad, dtype: torch.dtype = torch.long) -> torch.Tensor:
         width = max((len(r) for r in rows), default=0)
-        out = torch.full((len(rows), width), pad, dtype=torch.long)
+        out = torch.full((len(rows), width), pad, dtype=dtype)
         for i, row in enumerate(rows):
-            out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            out[i, : len(row)] = torch.tensor(row, dtype=dtype)
         return out
 
     def _prefill_meta(self, requests: list[Request], tokens: list[list[int]], slots: list[list[int]],
@@ -333,9 +350,11 @@ class Scheduler:
         request whose inputs cannot be built leaks nothing."""
         requests = list(self.running) if rows is None else [self.running[i] for i in rows]
         batch, n, s = len(requests), self.config.tree_size, self.config.scratch_size
+        # Prompt lookup reads the tokens; so do the penalties (verification counts them per node).
+        needs_history = self.config.needs_history or any(r.params.uses_history for r in requests)
         history = (
             self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
-            if self.config.needs_history else torch.zeros((batch, 0), dtype=torch.long)
+            if needs_history else torch.zeros((batch, 0), dtype=torch.long)
         )
         fields = dict(
             seq_lens=torch.tensor([r.seq_len for r in requests], dtype=torch.long),

@@ -14,7 +14,8 @@ from models.build import ModelSource, build_target
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, VerifyInput
-from spec.sampling import accept_tree, choose_tokens
+from spec.sampling import (accept_tree, choose_tokens, needs_processors, prefill_processor_rows, token_logprobs,
+                           tree_processor_rows)
 from spec.shapes import get_draft_input_hidden_state_spec, get_target_aux_layer_ids, uses_aux_hidden_states
 
 
@@ -59,10 +60,19 @@ class TargetRunner:
         return hidden, aux
 
     @staticmethod
-    def _choose(logits: torch.Tensor, *per_row: torch.Tensor) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, *per_row: torch.Tensor, processors=None) -> torch.Tensor:
         """choose_tokens on the logits' device; only the (R,) token ids come back to the host, not
         the (R, V) logits (25 MB a step at 256 requests, copied and argmaxed on the CPU before)."""
-        return choose_tokens(logits, *(t.to(logits.device) for t in per_row)).cpu()
+        return choose_tokens(logits, *(t.to(logits.device) for t in per_row), processors=processors).cpu()
+
+    @staticmethod
+    def _logprobs(meta: BatchMeta, logits: torch.Tensor, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """DraftExtendInput's logprob fields for rows whose next tokens are `tokens` (R,) and whose
+        logits are `logits` (R, V); empty ({}: the defaults) when no request asked."""
+        if not bool((meta.num_logprobs >= 0).any()):
+            return {}
+        lp, top, ids = token_logprobs(logits, tokens, int(meta.num_logprobs.max()))
+        return dict(logprobs=lp, top_logprobs=top, top_ids=ids)
 
     def _draft_rows(self, hidden, aux, rows):
         if self.out_spec is None:
@@ -82,15 +92,25 @@ class TargetRunner:
         last = torch.tensor(lens).cumsum(0) - 1  # (B,) last row of each request
         logits = self.model.logits(hidden[last.to(self.device)])  # (B, V)
         sampled = self._choose(logits, meta.temperature, meta.top_p, meta.top_k, meta.seeds,
-                               meta.seq_lens + meta.prefill_lens)
+                               meta.seq_lens + meta.prefill_lens, meta.min_p,
+                               processors=prefill_processor_rows(meta) if needs_processors(meta) else None)
         chosen = torch.where(meta.next_token >= 0, meta.next_token, sampled)
         next_tokens = tokens.clone()
         next_tokens[:-1] = tokens[1:]
         next_tokens[last] = chosen
+        logprobs = self._logprobs(meta, logits, chosen)
+        if logprobs:  # only each request's last row carries a new token
+            rows = tokens.numel()
+            full = dict(logprobs=torch.zeros(rows), top_logprobs=torch.zeros((rows, logprobs["top_ids"].shape[1])),
+                        top_ids=torch.zeros((rows, logprobs["top_ids"].shape[1]), dtype=torch.long))
+            for name, value in logprobs.items():
+                full[name][last] = value
+            logprobs = full
         return DraftExtendInput(
             tokens=tokens, next_tokens=next_tokens, positions=positions, slots=torch.cat(slots),
             hidden_states=self._draft_rows(hidden, aux, torch.arange(tokens.numel(), device=self.device)),
             extend_lens=meta.prefill_lens.clone(), accept_lens=torch.zeros(len(lens), dtype=torch.long),
+            **logprobs,
         )
 
     def verify(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
@@ -104,9 +124,11 @@ class TargetRunner:
         )
         logits = self.model.logits(hidden)  # (B * N, V): every node needs the target's choice
         per_row = lambda x: x.repeat_interleave(n)  # noqa: E731
+        processors = (tree_processor_rows(meta, verify.draft_tokens, verify.tree_mask, verify.positions)
+                      if needs_processors(meta) else None)
         target_tokens = self._choose(
             logits, per_row(meta.temperature), per_row(meta.top_p), per_row(meta.top_k), per_row(meta.seeds),
-            verify.positions.reshape(-1) + 1,
+            verify.positions.reshape(-1) + 1, per_row(meta.min_p), processors=processors,
         ).view(batch, n)
         rows, next_tokens, accept_lens = [], [], []
         for b in range(batch):
@@ -115,12 +137,14 @@ class TargetRunner:
             next_tokens.extend(verify.draft_tokens[b, path[1:]].tolist() + [bonus])
             accept_lens.append(len(path) - 1)
         rows_t = torch.tensor(rows, dtype=torch.long)
+        next_t = torch.tensor(next_tokens, dtype=torch.long)
         return DraftExtendInput(
             tokens=verify.draft_tokens.reshape(-1)[rows_t],
-            next_tokens=torch.tensor(next_tokens, dtype=torch.long),
+            next_tokens=next_t,
             positions=verify.positions.reshape(-1)[rows_t],
             slots=slots.reshape(-1)[rows_t],
             hidden_states=self._draft_rows(hidden, aux, rows_t.to(self.device)),
             extend_lens=torch.tensor(accept_lens, dtype=torch.long) + 1,
             accept_lens=torch.tensor(accept_lens, dtype=torch.long),
+            **self._logprobs(meta, logits[rows_t.to(logits.device)], next_t),
         )

@@ -50,6 +50,7 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         max_prefill_tokens=config.max_prefill_tokens,
         max_model_len=min(context, config.max_model_len or context),
         needs_history=config.algorithm is SpecAlgorithm.NGRAM or config.ngram_branch > 0,
+        vocab_size=int(cfg_get(target.config, "vocab_size", 0)) or None,
     )
 
 

@@ -80,7 +80,7 @@ class SchedulerActor:
             if sub is None:
                 continue
             finished = request.finish_reason is not None
-            event = {"delta": request.take_delta(), "finished": finished,
+            event = {"delta": request.take_delta(), "finished": finished, "logprobs": request.take_logprobs(),
                      "output": request.output() if finished else None}
             loop, queue = sub
             loop.call_soon_threadsafe(queue.put_nowait, event)
@@ -101,7 +101,8 @@ class SchedulerActor:
         return rid, queue
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams):
-        """Yield {"delta", "finished", "output"} events as steps complete."""
+        """Yield {"delta", "finished", "logprobs", "output"} events as steps complete (logprobs:
+        [(token id, logprob, [(top id, logprob), ...])] of the new tokens, or None if not asked)."""
         rid, queue = await self._submit(prompt_ids, params)
         finished = False
         try:

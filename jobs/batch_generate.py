@@ -31,7 +31,9 @@ from pathlib import Path
 
 from spec.sampling import SamplingParams
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "min_p",
+                   "logprobs")
 OUTPUT_FIELDS = ("id", "text", "token_ids", "finish_reason", "num_output_tokens", "num_verify_steps", "error")
 INPUT_FIELDS = ("id", "prompt", "messages", *SAMPLING_FIELDS)
 
@@ -150,6 +152,8 @@ def output_row(record: dict, out) -> dict:
     row = {"id": record["id"], **record["extra"], **{k: getattr(out, k) for k in OUTPUT_FIELDS[1:]}}
     if row["error"] is None:
         del row["error"]
+    if out.logprobs is not None:
+        row["logprobs"] = out.logprobs
     return row
 
 

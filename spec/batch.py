@@ -166,6 +166,9 @@ class DraftExtendInput:
                              concatenated aux layers), None for STANDALONE / NGRAM / NONE
     extend_lens:   (B,)
     accept_lens:   (B,)      accepted draft tokens per request (0 for prefill)
+    logprobs:      (T,)      raw logprob of each next_token, where a request asked (else 0)
+    top_logprobs:  (T, K)    the K most likely tokens' raw logprobs there (K = the batch's largest ask, or 0)
+    top_ids:       (T, K)    their ids
     """
 
     tokens: torch.Tensor
@@ -175,8 +178,19 @@ class DraftExtendInput:
     hidden_states: torch.Tensor | None
     extend_lens: torch.Tensor
     accept_lens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
     _TOKEN_FIELDS = ("tokens", "next_tokens", "positions", "slots", "hidden_states")
+    _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "top_ids")
+
+    def __post_init__(self) -> None:
+        if self.logprobs is None:  # nobody asked: zero-width tops, one float per row
+            rows = self.tokens.shape[0]
+            self.logprobs = torch.zeros(rows)
+            self.top_logprobs = torch.zeros((rows, 0))
+            self.top_ids = torch.zeros((rows, 0), dtype=torch.long)
 
     @classmethod
     def create_idle(cls, spec: HiddenStateSpec | None) -> "DraftExtendInput":
@@ -196,13 +210,21 @@ class DraftExtendInput:
         """(B,) first token row of each request."""
         return torch.cumsum(self.extend_lens, 0) - self.extend_lens
 
+    def _new_rows(self) -> list[slice]:
+        """Per request, the rows whose next_tokens are new output: accepted drafts then the bonus."""
+        return [slice(start + length - acc - 1, start + length) for start, length, acc in
+                zip(self.offsets.tolist(), self.extend_lens.tolist(), self.accept_lens.tolist())]
+
     def new_token_ids(self) -> list[list[int]]:
         """Per request, the tokens to append to its output: accepted drafts then the bonus token."""
-        out, nxt = [], self.next_tokens.tolist()
-        for start, length, acc in zip(self.offsets.tolist(), self.extend_lens.tolist(), self.accept_lens.tolist()):
-            end = start + length
-            out.append(nxt[end - acc - 1 : end])
-        return out
+        nxt = self.next_tokens.tolist()
+        return [nxt[rows] for rows in self._new_rows()]
+
+    def new_logprobs(self) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+        """Per request and new token: (its logprob, [(top id, top logprob), ...])."""
+        lps, tops, ids = self.logprobs.tolist(), self.top_logprobs.tolist(), self.top_ids.tolist()
+        return [[(lps[i], list(zip(ids[i], tops[i]))) for i in range(rows.start, rows.stop)]
+                for rows in self._new_rows()]
 
     def without_hidden_states(self) -> "DraftExtendInput":
         """The same batch minus the hidden rows (what the scheduler needs back, cheaply)."""
@@ -212,6 +234,9 @@ class DraftExtendInput:
         if type(other) is not type(self):
             raise ShapeContractError(f"merge: cannot merge {type(other).__name__} into DraftExtendInput")
         merged = {n: _cat_rows(n, getattr(self, n), getattr(other, n)) for n in self._TOKEN_FIELDS}
+        merged["logprobs"] = torch.cat([self.logprobs, other.logprobs])
+        merged["top_logprobs"] = _cat_padded(self.top_logprobs, other.top_logprobs, 0)
+        merged["top_ids"] = _cat_padded(self.top_ids, other.top_ids, 0)
         return replace(
             self, **merged,
             extend_lens=torch.cat([self.extend_lens, other.extend_lens]),
@@ -227,7 +252,7 @@ class DraftExtendInput:
         )
         kept = {
             n: None if getattr(self, n) is None else getattr(self, n).index_select(0, rows.to(getattr(self, n).device))
-            for n in self._TOKEN_FIELDS
+            for n in (*self._TOKEN_FIELDS, *self._LOGPROB_FIELDS)
         }
         return replace(self, **kept, extend_lens=lens, accept_lens=self.accept_lens[index])
 
@@ -246,8 +271,14 @@ class BatchMeta(_RowBatch):
     next_token:    (B,)    prefill: a known next token (recovery re-prefill), or -1 to sample one
     scratch_slots: (B, S)  slots the draft may write while proposing (freed after the step)
     verify_slots:  (B, N)  slots for the verify tree (accepted ones are kept)
-    temperature, top_p: (B,) float;  top_k, seeds: (B,) long
-    history:       (B, Lh) prompt + output tokens, padded with -1 (NGRAM lookup; else (B, 0))
+    temperature, top_p, min_p: (B,) float;  top_k, seeds: (B,) long
+    history:       (B, Lh) prompt + output tokens, padded with -1 (NGRAM lookup and penalties; else (B, 0))
+    prompt_lens:   (B,)    prompt tokens at the head of each history row
+    num_output:    (B,)    output tokens before the first one this step chooses
+    min_tokens:    (B,)    long;  repetition_penalty, presence_penalty, frequency_penalty: (B,) float
+    stop_ids:      (B, Ks) ids min_tokens holds back, padded with -1
+    bias_ids:      (B, Kb) logit_bias ids, padded with -1;  bias_values: (B, Kb) float
+    num_logprobs:  (B,)    top logprobs to return per token, -1 for none
     """
 
     seq_lens: torch.Tensor
@@ -263,8 +294,35 @@ class BatchMeta(_RowBatch):
     top_k: torch.Tensor
     seeds: torch.Tensor
     history: torch.Tensor
+    # Processor and logprob inputs; None (the default) means neutral for every row.
+    min_p: torch.Tensor | None = None
+    prompt_lens: torch.Tensor | None = None
+    num_output: torch.Tensor | None = None
+    min_tokens: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    stop_ids: torch.Tensor | None = None
+    bias_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    num_logprobs: torch.Tensor | None = None
 
-    _PADDED = {"kv_slots": 0, "prefill_tokens": 0, "prefill_slots": 0, "history": -1}
+    _NEUTRAL = {"min_p": (0.0, torch.float32), "prompt_lens": (0, torch.long), "num_output": (0, torch.long),
+                "min_tokens": (0, torch.long), "repetition_penalty": (1.0, torch.float32),
+                "presence_penalty": (0.0, torch.float32), "frequency_penalty": (0.0, torch.float32),
+                "num_logprobs": (-1, torch.long)}
+
+    def __post_init__(self) -> None:
+        rows = self.seq_lens.shape[0]
+        for name, (value, dtype) in self._NEUTRAL.items():
+            if getattr(self, name) is None:
+                setattr(self, name, torch.full((rows,), value, dtype=dtype))
+        for name, dtype in (("stop_ids", torch.long), ("bias_ids", torch.long), ("bias_values", torch.float32)):
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros((rows, 0), dtype=dtype))
+
+    _PADDED = {"kv_slots": 0, "prefill_tokens": 0, "prefill_slots": 0, "history": -1, "stop_ids": -1,
+               "bias_ids": -1, "bias_values": 0}
 
     @classmethod
     def create_idle(cls, scratch: int = 0, num_draft_tokens: int = 1) -> "BatchMeta":

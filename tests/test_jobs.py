@@ -36,6 +36,25 @@ def test_parse_line_reasons():
             parse_line(line, 8)
 
 
+def test_lines_take_the_sampling_processors_and_logprobs(tiny_target):
+    """Penalties, logit_bias (JSON string keys), min_tokens, stop_token_ids, min_p and logprobs reach
+    the engine through the record the job ships to its actors; asked-for logprobs come back."""
+    from jobs.batch_generate import GenerateBatch
+
+    line = json.dumps({"id": "a", "prompt": "w1 w2", "max_tokens": 6, "presence_penalty": 0.5,
+                       "frequency_penalty": 0.5, "repetition_penalty": 1.5, "logit_bias": {"7": 5.0},
+                       "min_tokens": 6, "stop_token_ids": [3], "min_p": 0.05, "logprobs": 2, "ignore_eos": True})
+    record = parse_line(line, 8)
+    shipped = json.loads(json.dumps(record))  # what crosses to the Ray Data actors
+    assert shipped["params"]["logit_bias"] == {"7": 5.0} and shipped["params"]["min_tokens"] == 6
+    with pytest.raises(ValueError, match="min_tokens"):
+        parse_line(json.dumps({"id": 1, "prompt": "w1", "max_tokens": 2, "min_tokens": 3}), 8)
+    out = json.loads(GenerateBatch({"model": str(tiny_target), "backend": "local"})(
+        {"request": [json.dumps(shipped)]})["line"][0])
+    assert out["num_output_tokens"] == 6 and len(out["logprobs"]) == 6
+    assert all(len(top) == 2 and lp <= 0 for lp, top in out["logprobs"])
+
+
 def test_bad_engine_option_is_a_usage_error(tmp_path, capsys):
     """A bad engine flag stops the job before anything starts, with the field named (no traceback)."""
     inp = tmp_path / "in.jsonl"

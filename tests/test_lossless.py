@@ -227,3 +227,104 @@ def test_max_running_requests(tiny_target, reference):
     assert peak == 2
     assert [r.output().token_ids for r in reqs] == reference
     assert sched.num_free_slots == 4096
+
+
+# ---- logits processors: verification applies them per node exactly as plain decoding does ----
+
+PROCESSED = dict(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3,
+                 logit_bias={5: 2.0, 7: -1.5}, min_tokens=6, stop_token_ids=[11])
+PROCESSED_MATRIX = [
+    ("NGRAM", None, 1, 4, 3),
+    ("STANDALONE", "tiny_standalone", 1, 4, 3),
+    ("STANDALONE", "tiny_target", 3, 8, 3),
+    ("EAGLE3", "tiny_eagle3_shared", 1, 4, 3),
+    ("EAGLE3", "tiny_eagle3_shared", 4, 8, 3),
+]
+
+
+def _run_params(engine, params: list[SamplingParams], prompts=PROMPTS) -> list:
+    sched = engine.scheduler
+    reqs = [sched.find(sched.add_request(p, sp)) for p, sp in zip(prompts, params)]
+    while sched.has_unfinished():
+        sched.step()
+    return [r.output() for r in reqs]
+
+
+def _processed_params() -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=m, **PROCESSED) for m in MAX_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def processed_reference(tiny_target):
+    engine = _engine(tiny_target)
+    return [_run_params(engine, [sp], [p])[0] for p, sp in zip(PROMPTS, _processed_params())]
+
+
+def test_processors_change_greedy_output(processed_reference, reference):
+    """The processed reference is not plain greedy (the lossless tests below would be vacuous)."""
+    assert [o.token_ids for o in processed_reference] != reference
+    assert all(len(o.token_ids) >= 6 for o in processed_reference)  # min_tokens held every stop back
+
+
+@pytest.mark.parametrize("algorithm,draft,topk,n,steps", PROCESSED_MATRIX)
+def test_processors_stay_lossless(request, tiny_target, processed_reference, algorithm, draft, topk, n, steps):
+    engine = _engine(tiny_target, algorithm, request.getfixturevalue(draft) if draft else None, topk, n, steps)
+    free_before = engine.scheduler.num_free_slots
+    outs = _run_params(engine, _processed_params())
+    assert [o.token_ids for o in outs] == [o.token_ids for o in processed_reference]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in processed_reference]
+    if draft == "tiny_target":
+        assert sum(sum(o.accept_lens) for o in outs) > 0
+    assert engine.scheduler.num_free_slots == free_before
+
+
+def test_stop_token_ids_end_the_output_after_min_tokens(tiny_target, reference):
+    """A stop id ends the output (finish "stop", its text left out); min_tokens holds it back."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    stop = reference[0][3]
+    first = reference[0].index(stop)
+    out = _run_params(engine, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                              stop_token_ids=[stop])], PROMPTS[:1])[0]
+    assert out.token_ids == reference[0][: first + 1] and out.finish_reason == "stop"
+    assert f"w{stop}" not in out.text.split()
+    held = _run_params(engine, [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=[stop], min_tokens=first + 2)], PROMPTS[:1])[0]
+    assert stop not in held.token_ids[: first + 2] and len(held.token_ids) > first + 1
+
+
+def test_logprobs_are_the_targets_log_softmax(tiny_target):
+    """Logprobs returned through verification equal log_softmax of transformers' logits on prompt +
+    output. The target drafts for itself: greedy requests accept every draft; the sampled one
+    first in the batch rejects some, so the others' rows sit at other offsets of the logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    params = [SamplingParams(max_tokens=10, temperature=1.5, seed=3, ignore_eos=True, logprobs=0,
+                             repetition_penalty=1.2),
+              SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),
+              SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)]
+    outs = _run_params(engine, params, [PROMPTS[2], PROMPTS[0], PROMPTS[1]])
+    assert outs[2].logprobs is None and sum(outs[1].accept_lens) > 0
+    assert outs[0].num_verify_steps > 1 + -(-(10 - 1) // 5)  # the sampled one rejected some drafts
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    for prompt, out, k in ((PROMPTS[2], outs[0], 0), (PROMPTS[0], outs[1], 3)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + out.token_ids])).logits[0]
+        ref = logits[len(prompt) - 1 : -1].log_softmax(-1)  # (T, V): the distribution of each output token
+        assert len(out.logprobs) == len(out.token_ids)
+        got = torch.tensor([lp for lp, _ in out.logprobs])
+        assert torch.allclose(got, ref[torch.arange(len(out.token_ids)), torch.tensor(out.token_ids)], atol=1e-4)
+        for (_, top), row in zip(out.logprobs, ref):
+            values, ids = row.topk(k)
+            assert [t for t, _ in top] == ids.tolist()
+            assert torch.allclose(torch.tensor([v for _, v in top]).reshape(-1), values, atol=1e-4)
+
+
+def test_min_p_one_samples_the_top_token(tiny_target, reference):
+    """min_p = 1 keeps only the most likely token: sampling (through prefill and verification)
+    gives greedy's output."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    params = [SamplingParams(max_tokens=m, temperature=1.5, seed=i, min_p=1.0, ignore_eos=True)
+              for i, m in enumerate(MAX_TOKENS)]
+    assert [o.token_ids for o in _run_params(engine, params)] == reference

@@ -31,17 +31,43 @@ def models(tmp_path_factory):
     return target, standalone, eagle3
 
 
-def exact_marginals(target) -> tuple[torch.Tensor, torch.Tensor]:
-    """P(x2) and P(x3) under the target alone, by enumerating every (x1, x2) prefix."""
+# Penalties strong enough to move the distributions a lot (vLLM semantics, written out by hand
+# in `penalised` below as an independent reference).
+PENALTIES = dict(repetition_penalty=1.6, presence_penalty=0.7, frequency_penalty=0.4, logit_bias={5: 1.5})
+
+
+def penalised(logits: torch.Tensor, outputs: list[int]) -> torch.Tensor:
+    """One row of logits (V,) after logit_bias, then the repetition penalty over prompt + output
+    and the frequency and presence penalties over the output."""
+    logits = logits.clone()
+    for token, bias in PENALTIES["logit_bias"].items():
+        logits[token] += bias
+    for token in set(PROMPT) | set(outputs):
+        rep = PENALTIES["repetition_penalty"]
+        logits[token] = logits[token] / rep if logits[token] > 0 else logits[token] * rep
+    for token in set(outputs):
+        logits[token] -= PENALTIES["frequency_penalty"] * outputs.count(token) + PENALTIES["presence_penalty"]
+    return logits
+
+
+def exact_marginals(target, processors: bool = False) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """P(x2), P(x3) and P(x3 == x2) under the target alone, by enumerating every (x1, x2) prefix."""
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    prefixes1 = [[a] for a in range(VOCAB)]
+    prefixes2 = [[a, b] for a in range(VOCAB) for b in range(VOCAB)]
+
+    def dist(logits: torch.Tensor, prefixes: list[list[int]]) -> torch.Tensor:
+        if processors:
+            logits = torch.stack([penalised(row, out) for row, out in zip(logits, prefixes)])
+        return logits.div(TEMPERATURE).softmax(-1)
+
     with torch.no_grad():
-        p1 = model(torch.tensor([PROMPT])).logits[0, -1].div(TEMPERATURE).softmax(-1)  # (V,)
-        seq1 = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
-        p2 = model(seq1).logits[:, -1].div(TEMPERATURE).softmax(-1)  # (V, V): [x1, x2]
-        seq2 = torch.tensor([PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)])
-        p3 = model(seq2).logits[:, -1].div(TEMPERATURE).softmax(-1).view(VOCAB, VOCAB, VOCAB)
+        p1 = dist(model(torch.tensor([PROMPT])).logits[:, -1], [[]])[0]  # (V,)
+        p2 = dist(model(torch.tensor([PROMPT + p for p in prefixes1])).logits[:, -1], prefixes1)  # (V, V): [x1, x2]
+        p3 = dist(model(torch.tensor([PROMPT + p for p in prefixes2])).logits[:, -1], prefixes2).view(VOCAB, VOCAB, VOCAB)
     joint12 = p1[:, None] * p2  # (x1, x2)
-    return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
+    repeat = float((joint12 * p3.diagonal(dim1=1, dim2=2)).sum())  # p3[x1, x2, x2]
+    return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1)), repeat
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -75,23 +101,30 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("algorithm,draft,topk,n", CASES)
-def test_output_distribution_matches_target(models, algorithm, draft, topk, n):
+@pytest.mark.parametrize("algorithm,draft,topk,n,processors",
+                         [(*case, False) for case in CASES]
+                         # The target drafting for itself: most third tokens come from accepted nodes,
+                         # whose distribution must count the node's own draft token as output.
+                         + [("STANDALONE", "target", 3, 6, True)])
+def test_output_distribution_matches_target(models, algorithm, draft, topk, n, processors):
+    """With penalties and logit_bias too: each tree node's distribution counts the drafts on its
+    path as output, so accepted tokens still follow the penalised target exactly."""
     target, standalone, eagle3 = models
-    draft_path = {"standalone": standalone, "eagle3": eagle3}.get(draft)
+    draft_path = {"standalone": standalone, "eagle3": eagle3, "target": target}.get(draft)
     engine = build_graph(EngineConfig(
         model=str(target), speculative_algorithm=None if algorithm == "NONE" else algorithm,
         draft_model=draft_path and str(draft_path), eagle_topk=topk, num_draft_tokens=n,
         max_running_requests=400, kv_slots=32768,
     ))
     sched = engine.scheduler
+    extra = PENALTIES if processors else {}
     reqs = [sched.find(sched.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=TEMPERATURE, seed=s,
-                                                                 ignore_eos=True)))
+                                                                 ignore_eos=True, **extra)))
             for s in range(NUM_SAMPLES)]
     while sched.has_unfinished():
         sched.step()
     tokens = torch.tensor([r.output_ids for r in reqs])  # (S, 3)
-    p2, p3 = exact_marginals(target)
+    p2, p3, repeat = exact_marginals(target, processors)
     accepted = sum(sum(r.accept_lens) for r in reqs)
     if algorithm != "NONE":
         assert accepted > 0, "the test must exercise acceptance"
@@ -99,13 +132,20 @@ def test_output_distribution_matches_target(models, algorithm, draft, topk, n):
     for position, probs in ((1, p2), (2, p3)):
         counts = torch.bincount(tokens[:, position], minlength=VOCAB)
         assert chi_square_p_value(counts, probs) > 1e-3, (position, counts.tolist(), (probs * NUM_SAMPLES).tolist())
+    # How often the third token repeats the second: penalties act on exactly this, and at an
+    # accepted draft node only if the node's own token counts as output (4 standard deviations).
+    repeats, expected = int((tokens[:, 2] == tokens[:, 1]).sum()), repeat * NUM_SAMPLES
+    assert abs(repeats - expected) < 4 * math.sqrt(expected) + 1, (repeats, expected)
+    if processors:  # the penalties matter: the samples are not the unpenalised target's
+        plain3 = exact_marginals(target)[1]
+        assert chi_square_p_value(torch.bincount(tokens[:, 2], minlength=VOCAB), plain3) < 1e-3
     assert sched.num_free_slots == 32768
 
 
 def test_chi_square_detects_a_wrong_distribution(models):
     """The statistic has power: samples from a perturbed distribution are rejected."""
     target = models[0]
-    p2, _ = exact_marginals(target)
+    p2, _, _ = exact_marginals(target)
     wrong = (p2 + 0.05).clamp_min(0)
     wrong /= wrong.sum()
     counts = torch.round(wrong * NUM_SAMPLES).long()

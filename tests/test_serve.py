@@ -30,7 +30,9 @@ def test_completion_request_translation():
     req = parse_request({"model": SERVED, "prompt": ["w1 w2"], "max_tokens": 5, "stop": "w3", "seed": 7,
                          "temperature": 0, "logprobs": None, "user": "u", "unknown_field": 1}, False, [SERVED, "/p"])
     assert (req.prompt, req.max_tokens, req.model, req.stream) == ("w1 w2", 5, SERVED, False)
-    assert req.sampling == {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": 7, "stop": ["w3"], "ignore_eos": False}
+    assert req.sampling == {"temperature": 0, "top_p": 1.0, "top_k": 0, "seed": 7, "stop": ["w3"], "ignore_eos": False,
+                            "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                            "logit_bias": {}, "min_tokens": 0, "stop_token_ids": [], "min_p": 0.0, "logprobs": None}
     assert parse_request({"prompt": [[1, 2]]}, False, [SERVED]).prompt == [1, 2]
     assert parse_request({"prompt": "x"}, False, [SERVED]).max_tokens == 16  # OpenAI's default
     assert parse_request({"model": "/p", "prompt": "x"}, False, [SERVED, "/p"]).model == SERVED
@@ -52,7 +54,31 @@ def test_chat_request_translation():
     ({"prompt": "x", "temperature": -0.5}, False, 400, "temperature"),
     ({"prompt": "x", "top_p": 1.5}, False, 400, "top_p"),
     ({"prompt": "x", "top_p": 0}, False, 400, "top_p"),
-    ({"prompt": "x", "n": 2}, False, 400, "n"),
+    ({"prompt": "x", "n": 0}, False, 400, "n"),
+    ({"prompt": "x", "n": 17}, False, 400, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, False, 400, "best_of"),
+    ({"prompt": "x", "logprobs": 6}, False, 400, "logprobs"),
+    ({"prompt": "x", "echo": True}, False, 400, "echo"),
+    ({"prompt": "x", "suffix": "y"}, False, 400, "suffix"),
+    ({"prompt": "x", "presence_penalty": 2.5}, False, 400, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, False, 400, "frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, False, 400, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 2}, False, 400, "min_p"),
+    ({"prompt": "x", "min_tokens": 20}, False, 400, "min_tokens"),  # more than max_tokens 16
+    ({"prompt": "x", "stop_token_ids": [-4]}, False, 400, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {"w1": 3}}, False, 400, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"3": 300}}, False, 400, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, True, 400,
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, True, 400, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, True, 400, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, True, 400, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, True, 400,
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}, True, 400, "functions"),
+    ({"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}, True, 400, "function_call"),
+    ({"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": True}, True, 400,
+     "parallel_tool_calls"),
     ({"prompt": ["a", "b"]}, False, 400, "prompt"),
     ({"prompt": []}, False, 400, "prompt"),
     ({"prompt": 5}, False, 400, "prompt"),
@@ -103,6 +129,37 @@ def test_api_key_settings(monkeypatch):
     assert args["api_key_env"] == "SPECGRAPH_API_KEY" and "api_key" not in args
     monkeypatch.delenv("SPECGRAPH_API_KEY")
     assert serve_app.main(["--host", "0.0.0.0"]) == 2  # refused before Ray starts
+
+
+def test_sampling_fields_translation():
+    req = parse_request({"prompt": "x", "n": 3, "best_of": 3, "seed": 5, "presence_penalty": 0.5,
+                         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"3": -100, "7": 2.5},
+                         "min_tokens": 2, "stop_token_ids": [4], "min_p": 0.1, "logprobs": 2}, False, [SERVED])
+    assert req.n == 3
+    assert {k: req.sampling[k] for k in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                                          "min_tokens", "stop_token_ids", "min_p", "logprobs")} == {
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {3: -100, 7: 2.5},
+        "min_tokens": 2, "stop_token_ids": [4], "min_p": 0.1, "logprobs": 2}
+    assert [req.to_engine(i)["sampling"]["seed"] for i in range(3)] == [5, 6, 7]  # each choice its own seed
+    chat = [{"role": "user", "content": "x"}]
+    assert parse_request({"messages": chat, "logprobs": True}, True, [SERVED]).sampling["logprobs"] == 0
+    assert parse_request({"messages": chat, "logprobs": True, "top_logprobs": 4}, True, [SERVED]).sampling["logprobs"] == 4
+    assert parse_request({"messages": chat, "logprobs": False}, True, [SERVED]).sampling["logprobs"] is None
+    # The "not used" values of unsupported fields pass.
+    assert parse_request({"messages": chat, "tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
+                         True, [SERVED]).n == 1
+
+
+def test_logprob_response_shapes():
+    entries = [{"token": "w1", "logprob": -0.5, "bytes": [119, 49], "top": [("w1", -0.5, [119, 49]), ("w2", -1.5, [119, 50])]},
+               {"token": " w3", "logprob": -2.0, "bytes": [32, 119, 51], "top": [("w4", -0.1, [119, 52])]}]
+    chat = serve_app._chat_logprobs(entries)
+    assert chat["content"][1] == {"token": " w3", "logprob": -2.0, "bytes": [32, 119, 51],
+                                  "top_logprobs": [{"token": "w4", "logprob": -0.1, "bytes": [119, 52]}]}
+    legacy = serve_app._completion_logprobs(entries, offset=4)
+    assert legacy == {"tokens": ["w1", " w3"], "token_logprobs": [-0.5, -2.0],
+                      "top_logprobs": [{"w1": -0.5, "w2": -1.5}, {" w3": -2.0, "w4": -0.1}], "text_offset": [4, 6]}
+    assert serve_app._chat_logprobs(None) is None and serve_app._completion_logprobs(None) is None
 
 
 def test_app_args_and_deployment_options(tiny_target):
@@ -304,6 +361,78 @@ def test_seed_makes_sampling_reproducible(client):
     assert len({sample(1), sample(2), sample(3)}) > 1
 
 
+@pytest.mark.integration
+def test_logprobs_chat_and_completions(client):
+    """Logprobs come back in OpenAI's shapes, streamed or not, and agree with each other."""
+    messages = [{"role": "user", "content": "w1 w2 w3"}]
+    chat = client.chat.completions.create(model=SERVED, messages=messages, logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True}, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    # Word-level tokenizer: each token decodes to its word.
+    assert [c.token for c in content] == chat.choices[0].message.content.split()
+    for c in content:  # greedy: the emitted token is the most likely one
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob) and c.logprob <= 0
+        assert bytes(c.bytes).decode() == c.token
+    streamed = list(client.chat.completions.create(model=SERVED, messages=messages, logprobs=True, top_logprobs=3,
+                                                   stream=True, extra_body={"ignore_eos": True}, **GREEDY))
+    stream_content = [c for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+                      for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in stream_content] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = client.chat.completions.create(model=SERVED, messages=messages, **GREEDY)
+    assert plain.choices[0].logprobs is None
+    comp = client.completions.create(model=SERVED, prompt="w1 w2 w3", logprobs=2, extra_body={"ignore_eos": True},
+                                     **GREEDY)
+    lp = comp.choices[0].logprobs
+    assert lp.tokens == [c.token for c in content]
+    assert lp.token_logprobs == pytest.approx([c.logprob for c in content], abs=1e-4)
+    assert all(len(top) == 2 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+
+
+@pytest.mark.integration
+def test_n_choices_and_penalties(client):
+    """n choices are independent samples (seeded: choice i reproducible); penalties and logit_bias
+    change what greedy decoding says; each choice streams under its own index."""
+    kw = dict(model=SERVED, prompt="w1 w2 w3", temperature=1.0, max_tokens=10, extra_body={"ignore_eos": True})
+    out = client.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in out.choices] == [0, 1, 2] and len({c.text for c in out.choices}) > 1
+    assert out.usage.completion_tokens == 30 and out.usage.prompt_tokens == 3
+    again = client.completions.create(n=3, seed=11, **kw)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert client.completions.create(n=1, seed=12, **kw).choices[0].text == out.choices[1].text  # seed + index
+    chunks = list(client.completions.create(n=2, seed=11, stream=True, **kw))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(2)]
+    assert texts == [c.text for c in out.choices[:2]]
+    base = client.completions.create(model=SERVED, prompt="w1 w2 w3", extra_body={"ignore_eos": True}, **GREEDY)
+    words = base.choices[0].text.split()
+    first = int(words[0][1:])  # word-level tokenizer: "wN" is token id N
+    banned = client.completions.create(model=SERVED, prompt="w1 w2 w3", logit_bias={str(first): -100},
+                                       extra_body={"ignore_eos": True}, **GREEDY)
+    assert banned.choices[0].text.split()[0] != words[0]
+    penalised = client.completions.create(model=SERVED, prompt="w1 w2 w3", frequency_penalty=2.0,
+                                          presence_penalty=2.0, extra_body={"ignore_eos": True,
+                                                                           "repetition_penalty": 2.0}, **GREEDY)
+    assert len(set(penalised.choices[0].text.split())) >= len(set(words))
+    assert penalised.choices[0].text != base.choices[0].text
+    stop_id = int(words[2][1:])
+    stopped = client.completions.create(model=SERVED, prompt="w1 w2 w3", extra_body={"stop_token_ids": [stop_id]},
+                                        **GREEDY)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text.split() == words[:2]
+
+
+@pytest.mark.integration
+def test_unsupported_fields_are_400(client):
+    import openai
+
+    messages = [{"role": "user", "content": "w1"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for kwargs, param in ((dict(tools=[tool]), "tools"), (dict(response_format={"type": "json_object"}), "response_format")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=SERVED, messages=messages, **kwargs)
+        assert info.value.body["param"] == param and param in info.value.body["message"]
+
+
 def _assert_error(response: httpx.Response, status: int, param: str | None = "unset") -> dict:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -325,7 +454,8 @@ def test_error_cases(server, client):
         (dict(prompt="w1", temperature=-1), "temperature"),
         (dict(prompt="w1", top_p=0), "top_p"),
         (dict(prompt="w1", top_p=1.2), "top_p"),
-        (dict(prompt="w1", n=3), "n"),
+        (dict(prompt="w1", n=17), "n"),
+        (dict(prompt="w1", logit_bias={"70": 1}), "logit_bias"),  # outside the vocabulary of 64
         (dict(prompt=" ".join(["w1"] * 300)), "prompt"),  # longer than max_model_len 256
         (dict(prompt=[1, 2, 999]), "prompt"),  # token id outside the vocabulary
     ]
