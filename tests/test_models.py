@@ -1,7 +1,7 @@
 """Model code against transformers on the same weights, checkpoint loading, and the runners.
 
 Our target (paged KV, flat ragged rows, explicit positions, tree masks) is compared with
-transformers' LlamaForCausalLM / Qwen2ForCausalLM logits in fp32 for prefill, decode after
+transformers' Llama / Mistral / Qwen2 / Qwen3 ForCausalLM logits in fp32 for prefill, decode after
 prefill, tree verification and a ragged batch; every KV pool starts full of large garbage so
 that reading a slot a request does not own (or a padding slot) changes the result. Tiny
 random models go through the real loader; the real SmolLM2 tests are marked integration and
@@ -88,13 +88,24 @@ def _make_variant(name: str, folder: Path) -> Path:
                                     "rope_theta": 500000.0})
     elif name == "qwen2_yarn_rope":
         return _make_qwen2(folder)
+    elif name == "qwen3_qk_norm":
+        # Per-head q/k RMSNorm, head_dim 24 != hidden / heads, untied; sliding window switched off
+        # (use_sliding_window false) as published Qwen3 configs have it.
+        make_llama(folder, arch="qwen3", layers=5, heads=4, kv_heads=2, head_dim=24, tie=False, seed=8,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                   sliding_window=None, use_sliding_window=False, max_window_layers=5)
+    elif name == "mistral":
+        # Mistral v0.3: no sliding window, head_dim given, untied.
+        make_llama(folder, arch="mistral", layers=4, heads=4, kv_heads=1, head_dim=16, tie=False, seed=9,
+                   sliding_window=None)
     else:
         raise KeyError(name)
     _randomize_vectors(folder, seed=11)
     return folder
 
 
-CONFIGS = ["tied_gqa", "llama_untied_bias_linear_rope", "llama_head_dim_mqa_llama3_rope", "qwen2_yarn_rope"]
+CONFIGS = ["tied_gqa", "llama_untied_bias_linear_rope", "llama_head_dim_mqa_llama3_rope", "qwen2_yarn_rope",
+           "qwen3_qk_norm", "mistral"]
 
 
 @dataclass
@@ -599,6 +610,50 @@ def test_sharded_checkpoint_with_missing_shard(tiny_target, tmp_path):
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
         build_target(_src(sharded), FP32, "cpu")
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("mistral", torch.float16), ("llama", torch.float32)])
+def test_sharded_half_precision_checkpoint_matches_transformers(arch, dtype, tmp_path):
+    """A checkpoint saved by save_pretrained in bf16/fp16/fp32 across several shards (an index
+    file, as published 4B-70B models come) serves the logits transformers computes from it."""
+    extra = {"qwen3": {"head_dim": 24, "use_sliding_window": False}, "mistral": {"sliding_window": None}}.get(arch, {})
+    folder = make_llama(tmp_path / arch, arch=arch, tie=False, layers=3, seed=12, dtype=dtype,
+                        max_shard_size="40KB", **extra)
+    assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
+    assert len(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    p = _load_pair(folder)
+    req = prefill_req(rand_tokens(11, 12), Slots(12))
+    (logits,), _ = ours_forward(p.ours, garbage_pool(p.ours, 12), [req])
+    assert_close(logits, hf_expected(p.hf, req), what=f"{arch} {dtype} sharded")
+
+
+def test_unsupported_model_type_is_refused_naming_it(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "gemma")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model_type' is 'gemma2' \(architectures \['Gemma2ForCausalLM'\]\)") as err:
+        build_target(ModelSource(folder, config), FP32, "cpu")
+    assert "qwen3" in str(err.value) and str(folder) in str(err.value)
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("mistral", {"sliding_window": 128}),  # Mistral 7B v0.1 style: a window below the context
+    ("qwen3", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}),
+])
+def test_sliding_window_below_context_is_refused(arch, fields, tmp_path):
+    folder = make_llama(tmp_path / arch, arch=arch, layers=2, max_pos=512, **fields)
+    with pytest.raises(ValueError, match=r"'sliding_window' is 128.*max_position_embeddings 512") as err:
+        build_target(_src(folder), FP32, "cpu")
+    assert str(folder) in str(err.value)
+
+
+def test_sliding_window_as_long_as_the_context_serves(tmp_path):
+    """Mistral's default config carries a window; one that covers the whole context changes nothing."""
+    p = _load_pair(make_llama(tmp_path / "mistral", arch="mistral", layers=2, max_pos=256, sliding_window=256))
+    req = prefill_req(rand_tokens(9, 14), Slots(14))
+    (logits,), _ = ours_forward(p.ours, garbage_pool(p.ours, 14), [req])
+    assert_close(logits, hf_expected(p.hf, req), what="mistral with a window >= context")
 
 
 def test_unknown_model_name_lists_registered_names():

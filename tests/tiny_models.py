@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+import transformers
+from transformers import PreTrainedTokenizerFast
 
 from train.hot_vocab import with_hot_vocab
 
@@ -39,20 +40,29 @@ def _scale_(module: torch.nn.Module, std: float, generator: torch.Generator) -> 
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
 
 
+# transformers classes of each decoder family the target runner serves (models.config).
+ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
 def make_llama(folder: Path, vocab_size: int = 64, hidden: int = 64, layers: int = 4, heads: int = 4,
                kv_heads: int = 2, intermediate: int = 128, seed: int = 0, tie: bool = True,
-               std: float = 0.25, max_pos: int = 512, **extra) -> Path:
+               std: float = 0.25, max_pos: int = 512, arch: str = "llama", dtype: torch.dtype = torch.float32,
+               max_shard_size: str | None = None, **extra) -> Path:
+    """A random decoder of family `arch` (ARCHITECTURES) saved with save_pretrained in `dtype`,
+    sharded (model.safetensors.index.json) when `max_shard_size` is given."""
     folder = Path(folder)
-    config = LlamaConfig(
+    name = ARCHITECTURES[arch]
+    config = getattr(transformers, f"{name}Config")(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=max_pos,
         tie_word_embeddings=tie, eos_token_id=vocab_size - 2, bos_token_id=None, pad_token_id=None, **extra,
     )
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
     _scale_(model, std, generator)
-    model.save_pretrained(folder, safe_serialization=True)
+    model.to(dtype).save_pretrained(folder, safe_serialization=True,
+                                    **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     word_tokenizer(vocab_size).save_pretrained(folder)
     return folder
 
