@@ -9,7 +9,7 @@ from actors.request import RequestOutput
 from actors.scheduler import Scheduler, SchedulerConfig
 from actors.target_runner import TargetRunner
 from graphs.config import EngineConfig
-from models.build import ModelSource, check_draft_kind, load_tokenizer
+from models.build import ModelSource, check_draft_checkpoint, check_draft_kind, check_target, load_tokenizer
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput
 from spec.sampling import SamplingParams
@@ -32,12 +32,16 @@ class LocalExecutor:
 
 
 def resolve_sources(config: EngineConfig) -> tuple[ModelSource, ModelSource | None]:
-    """Resolve and validate the target/draft pair from configs alone, before weights load."""
+    """Resolve and validate the target/draft pair from configs (and the checkpoints' tensor names
+    and shapes, read from file headers) alone, before weights load."""
     target = ModelSource.resolve(config.model)
     draft = ModelSource.resolve(config.draft_model) if config.draft_model else None
+    check_target(target)
     if draft is not None:
         check_draft_kind(config.algorithm, draft)
     validate_spec_pair(config.algorithm, target.config, None if draft is None else draft.config)
+    if draft is not None:
+        check_draft_checkpoint(config.algorithm, draft, target)
     return target, draft
 
 

@@ -94,7 +94,7 @@ class EagleDraft(_SingleLayerDraft):
 
     def __init__(self, hf_config: Any, where: str = "config.json"):
         super().__init__()
-        self.shape = DecoderShape.from_hf(hf_config, where, eagle_head=True)
+        self.shape = DecoderShape.from_hf(hf_config, where)
         hidden = self.shape.hidden_size
         self.embed_tokens = nn.Embedding(self.shape.vocab_size, hidden)
         self.fc = nn.Linear(2 * hidden, hidden, bias=bool(cfg_get(hf_config, "bias", True)))

@@ -35,7 +35,9 @@ def make_config(kind: str, fields: dict | None):
 
 
 def target_fields(hidden: int = 576, layers: int = 30, vocab: int = 49152) -> dict:
-    return {"hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab}
+    # Special ids as LlamaConfig's defaults (bos 1, eos 2) and a pad id, which drafts must match.
+    return {"hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab,
+            "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}
 
 
 def draft_fields(hidden: int, vocab: int = 49152, **extra) -> dict:
@@ -250,18 +252,27 @@ INVALID_PAIRS = [
     ("eagle3-target-hidden", SpecAlgorithm.EAGLE3,
      draft_fields(256, target_hidden_size=512), "target_hidden_size"),
     ("eagle3-draft-vocab", SpecAlgorithm.EAGLE3,
-     draft_fields(256, draft_vocab_size=50000), "draft_vocab_size"),
+     draft_fields(256, target_hidden_size=576, draft_vocab_size=50000), "draft_vocab_size"),
     ("eagle3-id-past-last-layer", SpecAlgorithm.EAGLE3,
-     draft_fields(256, eagle_aux_hidden_state_layer_ids=[1, 14, 29]), "eagle_aux_hidden_state_layer_ids"),
+     draft_fields(256, target_hidden_size=576, eagle_aux_hidden_state_layer_ids=[1, 14, 29]), "eagle_aux_hidden_state_layer_ids"),
     ("eagle3-id-negative", SpecAlgorithm.EAGLE3,
-     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 14, 26]}),
+     draft_fields(256, target_hidden_size=576, eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 14, 26]}),
      "eagle_aux_hidden_state_layer_ids"),
     ("eagle3-id-huge", SpecAlgorithm.EAGLE3,
-     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 300]}),
+     draft_fields(256, target_hidden_size=576, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 300]}),
      "eagle_aux_hidden_state_layer_ids"),
     ("eagle3-num-aux-vs-ids", SpecAlgorithm.EAGLE3,
-     draft_fields(256, num_aux_hidden_states=4, eagle_aux_hidden_state_layer_ids=[1, 14, 26]),
+     draft_fields(256, target_hidden_size=576, num_aux_hidden_states=4, eagle_aux_hidden_state_layer_ids=[1, 14, 26]),
      "eagle_aux_hidden_state_layer_ids"),
+    # No target_hidden_size and a narrower draft: fc would read 3 x 256, the target gives 3 x 576.
+    ("eagle3-undeclared-width", SpecAlgorithm.EAGLE3, draft_fields(256), "target_hidden_size"),
+    ("eagle3-vocab", SpecAlgorithm.EAGLE3, draft_fields(256, vocab=32000, target_hidden_size=576), "vocab_size"),
+    ("eagle3-two-layers", SpecAlgorithm.EAGLE3,
+     dict(draft_fields(256, target_hidden_size=576), num_hidden_layers=2), "num_hidden_layers"),
+    ("standalone-eos", SpecAlgorithm.STANDALONE, draft_fields(128, eos_token_id=[0, 7]), "eos_token_id"),
+    ("standalone-eos-list", SpecAlgorithm.STANDALONE, draft_fields(128, eos_token_id=[4, 5]), "eos_token_id"),
+    ("standalone-bos", SpecAlgorithm.STANDALONE, draft_fields(128, bos_token_id=0), "bos_token_id"),
+    ("standalone-pad", SpecAlgorithm.STANDALONE, draft_fields(128, pad_token_id=5), "pad_token_id"),
     ("eagle-missing", SpecAlgorithm.EAGLE, None, "draft_model"),
     ("eagle3-missing", SpecAlgorithm.EAGLE3, None, "draft_model"),
     ("standalone-missing", SpecAlgorithm.STANDALONE, None, "draft_model"),
@@ -288,14 +299,23 @@ VALID_PAIRS = [
     ("none", SpecAlgorithm.NONE, None),
     ("ngram", SpecAlgorithm.NGRAM, None),
     ("standalone-smaller-hidden", SpecAlgorithm.STANDALONE, draft_fields(128)),
+    ("standalone-same-special-ids", SpecAlgorithm.STANDALONE,
+     draft_fields(128, bos_token_id=1, eos_token_id=[2], pad_token_id=3)),
+    # An instruct draft may list more eos ids than its target (Llama 3.x base vs instruct).
+    ("standalone-more-eos-ids", SpecAlgorithm.STANDALONE, draft_fields(128, eos_token_id=[2, 7, 9])),
+    # EAGLE heads tokenize nothing: their special ids need not match (SpecForge's Llama 3 8B head
+    # declares eos 128001, Llama-3.1-8B-Instruct [128001, 128008, 128009]).
+    ("eagle3-other-special-ids", SpecAlgorithm.EAGLE3,
+     draft_fields(256, target_hidden_size=576, bos_token_id=0, eos_token_id=9, pad_token_id=0)),
     ("eagle-same-hidden", SpecAlgorithm.EAGLE, draft_fields(576)),
     ("eagle3", SpecAlgorithm.EAGLE3, EAGLE3_DRAFT),
-    ("eagle3-no-target-hidden-size", SpecAlgorithm.EAGLE3, draft_fields(256)),
+    # No target_hidden_size: fc reads 3 x the draft's own hidden_size, as wide as the target's here.
+    ("eagle3-no-target-hidden-size", SpecAlgorithm.EAGLE3, draft_fields(576)),
     ("eagle3-edge-ids", SpecAlgorithm.EAGLE3,
-     draft_fields(256, eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 14, 28]})),
+     draft_fields(256, target_hidden_size=576, eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 14, 28]})),
     ("eagle3-no-aux", SpecAlgorithm.EAGLE3,
-     draft_fields(256, eagle_config={"use_aux_hidden_state": False})),
-    ("eagle3-draft-vocab-equal", SpecAlgorithm.EAGLE3, draft_fields(256, draft_vocab_size=49152)),
+     draft_fields(256, target_hidden_size=576, eagle_config={"use_aux_hidden_state": False})),
+    ("eagle3-draft-vocab-equal", SpecAlgorithm.EAGLE3, draft_fields(256, target_hidden_size=576, draft_vocab_size=49152)),
 ]
 
 
