@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_eagle3, make_hot_vocab, make_llama
+from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 from models.attention import AttentionMetadata, KVPool
 from models.build import ModelSource, build_draft, build_target
@@ -491,6 +491,65 @@ def test_eagle_v1_shares_embeddings_and_lm_head(tiny_target, tiny_eagle):
     assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight)
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight)
     assert draft.fc.in_features == 2 * 64 and draft.fc.bias is not None
+
+
+@pytest.mark.parametrize("layout", [{"prefix": "model."}, {"layer": "layers.0"}, {"layer": "layers.0", "prefix": "model."}])
+def test_eagle3_layouts_load_the_same_head(tiny_target, tmp_path, layout):
+    """One head (same seed) saved under SpecForge/EAGLE-authors names (bare, `midlayer.*`), SGLang's
+    (`model.` prefix) and vLLM's (`layers.0.*`) loads into identical modules."""
+    common = dict(hidden=32, draft_vocab=32, own_embeddings=True, seed=31)
+    reference = make_eagle3(tmp_path / "midlayer", tiny_target, **common)
+    other = make_eagle3(tmp_path / "other", tiny_target, **common, **layout)
+    assert set(load_file(str(other / "model.safetensors"))) != set(load_file(str(reference / "model.safetensors")))
+    a, b = (build_draft(SpecAlgorithm.EAGLE3, _src(d), _src(tiny_target), FP32, "cpu").state_dict()
+            for d in (reference, other))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eagle_authors_head_is_known_by_its_tensors(tiny_target, tmp_path):
+    """The EAGLE authors' EAGLE-1/2 heads declare LlamaForCausalLM: their fc and layers.0.* make
+    them an EAGLE head, with the target's embeddings and LM head."""
+    from models.build import draft_kind
+
+    draft = make_eagle(tmp_path / "authors", tiny_target, architectures=("LlamaForCausalLM",))
+    source = _src(draft)
+    assert draft_kind(source.config, source.tensor_names()) is SpecAlgorithm.EAGLE
+    assert draft_kind(_src(tiny_target).config, _src(tiny_target).tensor_names()) is SpecAlgorithm.STANDALONE
+    model = build_draft(SpecAlgorithm.EAGLE, source, _src(tiny_target), FP32, "cpu")
+    target = build_target(_src(tiny_target), FP32, "cpu")
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)
+    with pytest.raises(CheckpointError, match=r"'architectures' is \['LlamaForCausalLM'\].*EAGLE draft.*STANDALONE"):
+        build_draft(SpecAlgorithm.STANDALONE, source, _src(tiny_target), FP32, "cpu")
+
+
+def test_eagle3_without_lm_head_needs_the_whole_vocabulary(tiny_target, tmp_path):
+    from models.build import check_draft_checkpoint
+
+    full = make_eagle3(tmp_path / "full", tiny_target, hidden=64, lm_head=False)
+    target = build_target(_src(tiny_target), FP32, "cpu")
+    model = build_draft(SpecAlgorithm.EAGLE3, _src(full), _src(tiny_target), FP32, "cpu")
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)
+    reduced = make_eagle3(tmp_path / "reduced", tiny_target, hidden=64, draft_vocab=32, lm_head=False)
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' missing.*draft_vocab_size 32"):
+        check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(reduced), _src(tiny_target))
+
+
+def test_draft_checkpoint_checked_from_headers_before_loading(tiny_target, tmp_path, monkeypatch):
+    """Startup checks every tensor name and shape of a draft from its files' headers: a head
+    trained for another target width is refused naming the tensor, and no tensor is read."""
+    from models.build import check_draft_checkpoint
+    from models.loader import TensorSource
+
+    def no_reads(self, name):
+        raise AssertionError(f"read {name}")
+
+    good = make_eagle3(tmp_path / "good", tiny_target, hidden=32, draft_vocab=32, own_embeddings=True)
+    bad = _copy(good, tmp_path / "bad")
+    _edit_tensors(bad, lambda s: s.update({"fc.weight": torch.zeros(32, 3 * 48)}))
+    monkeypatch.setattr(TensorSource, "get", no_reads)
+    check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(good), _src(tiny_target))
+    with pytest.raises(CheckpointError, match=r"'fc\.weight' has shape \(32, 144\), the config implies \(32, 192\)"):
+        check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(bad), _src(tiny_target))
 
 
 def _copy(src: Path, dst: Path) -> Path:
