@@ -78,29 +78,49 @@ def _tie(module: torch.nn.Module, embed: torch.nn.Embedding) -> None:
     module.lm_head.weight = embed.weight
 
 
+def _target_module(source: ModelSource) -> tuple[LlamaForCausalLM, set[str]]:
+    """(module on the meta device, optional tensors): the config as our model code reads it
+    (supported model_type, no sliding window shorter than the context, ...)."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(source.config, str(source.folder / "config.json"))
+    return model, {"lm_head.weight"} if model.shape.tie_word_embeddings else set()
+
+
 def check_target(source: ModelSource) -> DecoderShape:
-    """The target's config as our model code reads it (supported model_type, no sliding window
-    shorter than the context, ...), before any weight loads."""
-    return DecoderShape.from_hf(source.config, str(source.folder / "config.json"))
+    """The target's config, and every tensor name and shape it implies against its files'
+    headers, reading no tensor (at startup and in `graphs.check_pair`)."""
+    model, optional = _target_module(source)
+    load_weights(model, TensorSource(source.folder), torch.float32, optional, dry_run=True)
+    return model.shape
 
 
 def build_target(source: ModelSource, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    where = str(source.folder / "config.json")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(source.config, where)
+    model, optional = _target_module(source)
     tied = model.shape.tie_word_embeddings
-    load_weights(model, TensorSource(source.folder), dtype, optional={"lm_head.weight"} if tied else set())
+    load_weights(model, TensorSource(source.folder), dtype, optional)
     if tied:
         _tie(model, model.model.embed_tokens)
     return model.to(device).eval()
 
 
-def _target_tensor(target: ModelSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+# Draft tensors a head may leave out, and the target tensors that stand in for them, in order.
+SHARED_WITH_TARGET = {"embed_tokens.weight": [TARGET_EMBED], "lm_head.weight": ["lm_head.weight", TARGET_EMBED]}
+
+
+def _shared_tensor_name(target: ModelSource, draft_name: str, like: torch.Size, folder: Path) -> str:
+    """The target tensor standing in for a draft tensor its checkpoint left out, checked to fit
+    from the target's headers."""
     source = TensorSource(target.folder)
-    for name in names:
-        if name in source.keys():
-            return source.get(name).to(dtype)
-    raise CheckpointError(f"{target.folder}: none of {names} found (the draft shares them with the target)")
+    names = SHARED_WITH_TARGET[draft_name]
+    found = next((name for name in names if name in source.keys()), None)
+    if found is None:
+        raise CheckpointError(f"{target.folder}: none of {names} found (the draft shares them with the target)")
+    if source.shape(found) != tuple(like):
+        raise CheckpointError(
+            f"{folder}: no {draft_name!r} and the target's {source.shape(found)} does not fit the draft's "
+            f"{tuple(like)} (hidden_size differs): ship the draft's own"
+        )
+    return found
 
 
 def _vocab_maps(model: torch.nn.Module, absent: set[str], folder: Path, target_vocab: int) -> None:
@@ -147,7 +167,11 @@ def check_draft_checkpoint(algorithm: SpecAlgorithm, draft: ModelSource, target:
     target_vocab = int(cfg_get(target.config, "vocab_size"))
     if algorithm is not SpecAlgorithm.EAGLE:
         _missing_vocab_maps(model, absent, draft.folder, target_vocab)
+    if algorithm is SpecAlgorithm.STANDALONE:
+        return  # a tied standalone LM's head is its own embeddings
     _missing_lm_head(model, absent, draft.folder, target_vocab)
+    for name in SHARED_WITH_TARGET.keys() & absent:
+        _shared_tensor_name(target, name, model.get_parameter(name).shape, draft.folder)
 
 
 def _missing_vocab_maps(model: torch.nn.Module, absent: set[str], folder: Path, target_vocab: int) -> None:
@@ -187,25 +211,11 @@ def build_draft(
     if algorithm is SpecAlgorithm.EAGLE3:
         _vocab_maps(model, absent, draft.folder, target_vocab)
     _missing_lm_head(model, absent, draft.folder, target_vocab)
-    if "embed_tokens.weight" in absent:
-        model.embed_tokens.weight = _from_target(target, [TARGET_EMBED], model.embed_tokens.weight,
-                                                 "embed_tokens.weight", draft.folder, dtype)
-    if "lm_head.weight" in absent:
-        model.lm_head.weight = _from_target(target, ["lm_head.weight", TARGET_EMBED], model.lm_head.weight,
-                                            "lm_head.weight", draft.folder, dtype)
+    for name in SHARED_WITH_TARGET.keys() & absent:
+        module = model.get_submodule(name.removesuffix(".weight"))
+        found = _shared_tensor_name(target, name, module.weight.shape, draft.folder)
+        module.weight = torch.nn.Parameter(TensorSource(target.folder).get(found).to(dtype), requires_grad=False)
     return model.to(device).eval()
-
-
-def _from_target(target: ModelSource, names: list[str], like: torch.Tensor, what: str, folder: Path,
-                 dtype: torch.dtype) -> torch.nn.Parameter:
-    """The target's tensor standing in for a draft tensor its checkpoint left out."""
-    tensor = _target_tensor(target, names, dtype)
-    if tensor.shape != like.shape:
-        raise CheckpointError(
-            f"{folder}: no {what!r} and the target's {tuple(tensor.shape)} does not fit the draft's "
-            f"{tuple(like.shape)} (hidden_size differs): ship the draft's own"
-        )
-    return torch.nn.Parameter(tensor, requires_grad=False)
 
 
 def load_tokenizer(folder: Path):

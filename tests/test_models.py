@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 from models.attention import AttentionMetadata, KVPool
-from models.build import ModelSource, build_draft, build_target
+from models.build import ModelSource, build_draft, build_target, check_target
 from models.loader import CheckpointError, resolve_model
 from models.packed import PackedLinear, can_pack, pack_linears
 from models.registry import DEFAULT_MODEL, REGISTRY
@@ -591,9 +591,10 @@ def test_missing_tensor(tiny_target, tmp_path):
 def test_wrong_shaped_tensor(tiny_target, tmp_path):
     folder = _copy(tiny_target, tmp_path / "m")
     _edit_tensors(folder, lambda s: s.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}))
-    with pytest.raises(CheckpointError, match=r"k_proj\.weight' has shape \(64, 64\), the config implies \(32, 64\)") as err:
-        build_target(_src(folder), FP32, "cpu")
-    assert str(folder) in str(err.value)
+    for check in (lambda: build_target(_src(folder), FP32, "cpu"), lambda: check_target(_src(folder))):
+        with pytest.raises(CheckpointError, match=r"k_proj\.weight' has shape \(64, 64\), the config implies \(32, 64\)") as err:
+            check()
+        assert str(folder) in str(err.value)
 
 
 def test_unexpected_tensor(tiny_target, tmp_path):
@@ -614,10 +615,14 @@ def test_only_pickled_checkpoint_is_refused(tiny_target, tmp_path):
 
 
 def test_narrow_eagle3_without_own_embeddings(tiny_target, tmp_path):
+    from models.build import check_draft_checkpoint
+
     draft = make_eagle3(tmp_path / "narrow", tiny_target, hidden=32, own_embeddings=False)
-    with pytest.raises(CheckpointError, match="embed_tokens.weight") as err:
-        build_draft(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target), FP32, "cpu")
-    assert str(draft) in str(err.value)
+    for check in (lambda: build_draft(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target), FP32, "cpu"),
+                  lambda: check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target))):
+        with pytest.raises(CheckpointError, match=r"no 'embed_tokens.weight' and the target's \(64, 64\)") as err:
+            check()
+        assert str(draft) in str(err.value)
 
 
 def test_eagle3_reduced_vocab_without_d2t(tiny_target, tmp_path):
