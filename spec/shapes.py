@@ -129,10 +129,15 @@ def get_target_aux_layer_ids(target_config: Any, draft_config: Any) -> list[int]
     return [2, num_layers // 2, num_layers - 3]
 
 
+def get_draft_vocab_size(draft_config: Any, target_vocab: int) -> int:
+    """How many ids the draft proposes (`spec.vocab`): draft_vocab_size, else its vocab_size."""
+    return int(cfg_get(draft_config, "draft_vocab_size", cfg_get(draft_config, "vocab_size", target_vocab)))
+
+
 def _check_draft_vocab_size(algorithm: SpecAlgorithm, draft_config: Any, target_vocab: int) -> None:
     """A draft vocabulary (`spec.vocab`; by default the draft's vocab_size) is a subset of the
     target's: 1..vocab_size ids."""
-    reduced_vocab = int(cfg_get(draft_config, "draft_vocab_size", cfg_get(draft_config, "vocab_size", target_vocab)))
+    reduced_vocab = get_draft_vocab_size(draft_config, target_vocab)
     if not 1 <= reduced_vocab <= target_vocab:
         raise ShapeContractError(
             f"draft_vocab_size: {algorithm.name} draft_vocab_size {reduced_vocab} must be between 1 and the "
@@ -251,7 +256,7 @@ def agreed_shapes(algorithm: SpecAlgorithm, target_config: Any, draft_config: An
     if draft_config is None:
         return out
     out["draft_hidden_size"] = int(cfg_get(draft_config, "hidden_size"))
-    out["draft_vocab_size"] = int(cfg_get(draft_config, "draft_vocab_size", cfg_get(draft_config, "vocab_size", out["vocab_size"])))
+    out["draft_vocab_size"] = get_draft_vocab_size(draft_config, out["vocab_size"])
     out["draft_input_width"] = get_draft_input_from_target_hidden_dim(algorithm, target_config, draft_config)
     if algorithm is SpecAlgorithm.EAGLE3 and uses_aux_hidden_states(draft_config):
         inputs = get_target_aux_layer_ids(target_config, draft_config)
