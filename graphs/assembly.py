@@ -7,18 +7,22 @@ from __future__ import annotations
 from actors.draft_runner import BatchLimits, DraftRunner, NgramDrafter, NoDrafter
 from actors.scheduler import SchedulerConfig
 from graphs.config import EngineConfig
-from models.build import ModelSource, check_draft_kind
+from models.build import ModelSource, check_draft_checkpoint, check_draft_kind, check_target
 from spec.algorithm import SpecAlgorithm
 from spec.shapes import cfg_get, get_draft_recurrent_hidden_state_spec, validate_spec_pair
 
 
 def resolve_sources(config: EngineConfig) -> tuple[ModelSource, ModelSource | None]:
-    """Resolve and validate the target/draft pair from configs alone, before weights load."""
+    """Resolve and validate the target/draft pair from configs (and the checkpoints' tensor names
+    and shapes, read from file headers) alone, before weights load."""
     target = ModelSource.resolve(config.model)
     draft = ModelSource.resolve(config.draft_model) if config.draft_model else None
+    check_target(target)
     if draft is not None:
         check_draft_kind(config.algorithm, draft)
     validate_spec_pair(config.algorithm, target.config, None if draft is None else draft.config)
+    if draft is not None:
+        check_draft_checkpoint(config.algorithm, draft, target)
     return target, draft
 
 

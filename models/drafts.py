@@ -45,7 +45,7 @@ class Eagle3Draft(_SingleLayerDraft):
 
     def __init__(self, hf_config: Any, target_vocab_size: int, input_width: int, where: str = "config.json"):
         super().__init__()
-        self.shape = DecoderShape.from_hf(hf_config, where)
+        self.shape = DecoderShape.from_hf(hf_config, where, eagle_head=True)
         hidden = self.shape.hidden_size
         self.draft_vocab_size = int(cfg_get(hf_config, "draft_vocab_size", self.shape.vocab_size))
         self.embed_tokens = nn.Embedding(target_vocab_size, hidden)

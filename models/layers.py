@@ -1,4 +1,4 @@
-"""Building blocks of Llama-family decoders (Llama, Qwen2, Mistral, SmolLM2), named like the
+"""Building blocks of Llama-family decoders (Llama, Qwen2, Qwen3, Mistral, SmolLM2), named like the
 Hugging Face modules so checkpoints load by name."""
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=shape.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, shape.hidden_size, bias=shape.o_bias)
         self.scale = self.head_dim**-0.5
+        if shape.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by every q (k) head
+            self.q_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
+        self.qk_norm = shape.qk_norm
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (serving only)
 
     def fuse_projections(self) -> None:
@@ -95,7 +99,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qk, v = self.project(x)
+        qk, v = self.project(x)  # (T, Hq + Hkv, D), (T, Hkv, D)
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)

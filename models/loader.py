@@ -144,12 +144,32 @@ class TensorSource:
     def keys(self) -> set[str]:
         return set(self.weight_map)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _file(self, name: str) -> Path:
         file = self.folder / self.weight_map[name]
         if not file.is_file():
             raise CheckpointError(f"{file}: missing (listed in {INDEX_FILE} for {name!r})")
-        with safe_open(file, framework="pt") as handle:
+        return file
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self._file(name), framework="pt") as handle:
             return handle.get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape from the file header, without reading the tensor."""
+        with safe_open(self._file(name), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
+
+def checkpoint_names(module_names, available: set[str], aliases) -> dict[str, str]:
+    """module name -> the checkpoint's name for it: the first of `aliases(name)` (spellings in
+    order of preference) the checkpoint holds; names it holds under none are left out."""
+    found = {}
+    for name in module_names:
+        for alias in aliases(name):
+            if alias in available:
+                found[name] = alias
+                break
+    return found
 
 
 def load_weights(
@@ -158,11 +178,13 @@ def load_weights(
     dtype: torch.dtype,
     optional: set[str] = frozenset(),
     rename: dict[str, str] | None = None,
+    dry_run: bool = False,
 ) -> set[str]:
     """Assign checkpoint tensors to a module built on the meta device; returns the names
     that were optional and absent (the caller fills them). Checks every name and shape.
 
-    rename maps module names to checkpoint names where they differ.
+    rename maps module names to checkpoint names where they differ. dry_run: check names and
+    shapes from the files' headers only, reading and assigning no tensor.
     """
     rename = rename or {}
     expected = {k: v for k, v in module.state_dict(keep_vars=True).items()}
@@ -180,12 +202,14 @@ def load_weights(
                 absent.add(name)
                 continue
             raise CheckpointError(f"{source.folder}: tensor {ckpt_name!r} missing from the checkpoint")
-        tensor = source.get(ckpt_name)
-        if tuple(tensor.shape) != tuple(current.shape):
+        shape = source.shape(ckpt_name)
+        if shape != tuple(current.shape):
             raise CheckpointError(
-                f"{source.folder}: tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                f"the config implies {tuple(current.shape)}"
+                f"{source.folder}: tensor {ckpt_name!r} has shape {shape}, the config implies {tuple(current.shape)}"
             )
-        state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-    module.load_state_dict(state, strict=False, assign=True)
+        if not dry_run:
+            tensor = source.get(ckpt_name)
+            state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    if not dry_run:
+        module.load_state_dict(state, strict=False, assign=True)
     return absent

@@ -129,14 +129,77 @@ def get_target_aux_layer_ids(target_config: Any, draft_config: Any) -> list[int]
     return [2, num_layers // 2, num_layers - 3]
 
 
+def get_draft_vocab_size(draft_config: Any, target_vocab: int) -> int:
+    """How many ids the draft proposes (`spec.vocab`): draft_vocab_size, else its vocab_size."""
+    return int(cfg_get(draft_config, "draft_vocab_size", cfg_get(draft_config, "vocab_size", target_vocab)))
+
+
 def _check_draft_vocab_size(algorithm: SpecAlgorithm, draft_config: Any, target_vocab: int) -> None:
     """A draft vocabulary (`spec.vocab`; by default the draft's vocab_size) is a subset of the
     target's: 1..vocab_size ids."""
-    reduced_vocab = int(cfg_get(draft_config, "draft_vocab_size", cfg_get(draft_config, "vocab_size", target_vocab)))
+    reduced_vocab = get_draft_vocab_size(draft_config, target_vocab)
     if not 1 <= reduced_vocab <= target_vocab:
         raise ShapeContractError(
             f"draft_vocab_size: {algorithm.name} draft_vocab_size {reduced_vocab} must be between 1 and the "
             f"target vocab_size {target_vocab}"
+        )
+
+
+SPECIAL_TOKEN_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _check_same_vocab(algorithm: SpecAlgorithm, target_config: Any, draft_config: Any) -> None:
+    target_vocab, draft_vocab = cfg_get(target_config, "vocab_size"), cfg_get(draft_config, "vocab_size")
+    if draft_vocab is not None and int(draft_vocab) != int(target_vocab):
+        raise ShapeContractError(
+            f"vocab_size: {algorithm.name} draft has vocab_size {draft_vocab}, target has {target_vocab}; "
+            "they must share the tokenizer"
+        )
+
+
+def _check_same_tokenizer(algorithm: SpecAlgorithm, target_config: Any, draft_config: Any) -> None:
+    """A standalone LM reads and proposes the target's token ids, so it needs the target's
+    tokenizer: the same vocab_size and, where both configs declare them, the same bos and pad
+    ids and at least one common eos id (an instruct model lists more eos ids than its base).
+    EAGLE heads tokenize nothing (the target's ids go in); their special ids are not checked."""
+    _check_same_vocab(algorithm, target_config, draft_config)
+    as_set = lambda v: {int(i) for i in v} if isinstance(v, (list, tuple)) else {int(v)}  # noqa: E731
+    for field in SPECIAL_TOKEN_FIELDS:
+        ours, theirs = cfg_get(target_config, field), cfg_get(draft_config, field)
+        if ours is None or theirs is None:
+            continue
+        agree = as_set(ours) & as_set(theirs) if field == "eos_token_id" else as_set(ours) == as_set(theirs)
+        if not agree:
+            raise ShapeContractError(
+                f"{field}: {algorithm.name} draft has {field} {theirs}, target has {ours}; "
+                "they must share the tokenizer"
+            )
+
+
+def _check_single_layer_head(algorithm: SpecAlgorithm, draft_config: Any) -> None:
+    layers = int(cfg_get(draft_config, "num_hidden_layers", 1))
+    if layers != 1:
+        raise ShapeContractError(
+            f"num_hidden_layers: {algorithm.name} heads here have one decoder layer, the draft declares {layers}"
+        )
+
+
+def _check_eagle3_width(target_config: Any, draft_config: Any, target_hidden: int) -> None:
+    """The width of the rows the draft's `fc` reads, as its config states it: num_aux x
+    `target_hidden_size`, or num_aux x its own hidden_size where it declares none (how SGLang
+    and vLLM size `fc`), must be what the target produces, num_aux x its hidden_size."""
+    declared = cfg_get(draft_config, "target_hidden_size")
+    if declared is not None and int(declared) != target_hidden:
+        raise ShapeContractError(
+            f"target_hidden_size: EAGLE3 draft declares target_hidden_size {declared}, "
+            f"but the target's hidden_size is {target_hidden}"
+        )
+    draft_hidden = int(cfg_get(draft_config, "hidden_size"))
+    if declared is None and uses_aux_hidden_states(draft_config) and draft_hidden != target_hidden:
+        num_aux = _num_aux(draft_config)
+        raise ShapeContractError(
+            f"target_hidden_size: EAGLE3 draft declares none, so its fc reads {num_aux} x hidden_size "
+            f"({num_aux} x {draft_hidden}), but the target gives {num_aux} x {target_hidden}"
         )
 
 
@@ -149,36 +212,25 @@ def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_confi
         raise ShapeContractError(f"draft_model: {algorithm.name} needs a draft model, none was given")
     target_vocab = int(cfg_get(target_config, "vocab_size"))
     target_hidden = int(cfg_get(target_config, "hidden_size"))
-    draft_vocab = int(cfg_get(draft_config, "vocab_size", target_vocab))
     draft_hidden = int(cfg_get(draft_config, "hidden_size"))
 
     if algorithm is SpecAlgorithm.STANDALONE:
-        if draft_vocab != target_vocab:
-            raise ShapeContractError(
-                f"vocab_size: STANDALONE draft has vocab_size {draft_vocab}, target has {target_vocab}; "
-                "they must share the vocabulary"
-            )
+        _check_same_tokenizer(algorithm, target_config, draft_config)
         _check_draft_vocab_size(algorithm, draft_config, target_vocab)
         return
 
+    _check_single_layer_head(algorithm, draft_config)
     if algorithm is SpecAlgorithm.EAGLE:
         if draft_hidden != target_hidden:
             raise ShapeContractError(
                 f"hidden_size: EAGLE draft hidden_size {draft_hidden} differs from target hidden_size "
                 f"{target_hidden}; EAGLE shares the target's embeddings and LM head"
             )
-        if draft_vocab != target_vocab:
-            raise ShapeContractError(
-                f"vocab_size: EAGLE draft vocab_size {draft_vocab} differs from target vocab_size {target_vocab}"
-            )
+        _check_same_vocab(algorithm, target_config, draft_config)
         return
 
-    declared = cfg_get(draft_config, "target_hidden_size")
-    if declared is not None and int(declared) != target_hidden:
-        raise ShapeContractError(
-            f"target_hidden_size: EAGLE3 draft declares target_hidden_size {declared}, "
-            f"but the target's hidden_size is {target_hidden}"
-        )
+    _check_eagle3_width(target_config, draft_config, target_hidden)
+    _check_same_vocab(algorithm, target_config, draft_config)
     _check_draft_vocab_size(algorithm, draft_config, target_vocab)
     if uses_aux_hidden_states(draft_config):
         num_layers = int(cfg_get(target_config, "num_hidden_layers"))
@@ -190,3 +242,24 @@ def validate_spec_pair(algorithm: SpecAlgorithm, target_config: Any, draft_confi
                 f"{_num_aux(draft_config)} (num_aux_hidden_states) layer-output ids in "
                 f"[-1, {num_layers - 2}] for a target with {num_layers} layers"
             )
+
+
+def agreed_shapes(algorithm: SpecAlgorithm, target_config: Any, draft_config: Any) -> dict[str, Any]:
+    """What a valid pair agrees on (run validate_spec_pair first), for people to read."""
+    algorithm = SpecAlgorithm.from_name(algorithm)
+    out: dict[str, Any] = {
+        "algorithm": algorithm.name,
+        "target_hidden_size": int(cfg_get(target_config, "hidden_size")),
+        "target_num_layers": int(cfg_get(target_config, "num_hidden_layers")),
+        "vocab_size": int(cfg_get(target_config, "vocab_size")),
+    }
+    if draft_config is None:
+        return out
+    out["draft_hidden_size"] = int(cfg_get(draft_config, "hidden_size"))
+    out["draft_vocab_size"] = get_draft_vocab_size(draft_config, out["vocab_size"])
+    out["draft_input_width"] = get_draft_input_from_target_hidden_dim(algorithm, target_config, draft_config)
+    if algorithm is SpecAlgorithm.EAGLE3 and uses_aux_hidden_states(draft_config):
+        inputs = get_target_aux_layer_ids(target_config, draft_config)
+        out["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in inputs]
+        out["aux_layer_inputs_captured"] = inputs
+    return out

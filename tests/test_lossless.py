@@ -3,10 +3,12 @@ chain and tree, while requests join, leave and finish together; KV slots never l
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from graphs import EngineConfig, SamplingParams, build_graph
-from tiny_models import make_hot_vocab
+from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 30, 31, 30, 31]]
 # Different lengths so requests finish at different steps.
@@ -328,3 +330,103 @@ def test_min_p_one_samples_the_top_token(tiny_target, reference):
     params = [SamplingParams(max_tokens=m, temperature=1.5, seed=i, min_p=1.0, ignore_eos=True)
               for i, m in enumerate(MAX_TOKENS)]
     assert [o.token_ids for o in _run_params(engine, params)] == reference
+
+
+# --------------------------------------------------------------------------- bring your own model
+# Qwen3 and Mistral targets with drafts in the layouts they are published in (tests/tiny_models.py
+# names the source of each layout), shrunk; greedy output must be the target's own.
+
+BYO_PROMPTS, BYO_MAX_TOKENS = PROMPTS[:3], [14, 9, 11]
+
+
+@pytest.fixture(scope="module")
+def byo_targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("byo")
+    return {
+        # Qwen3 dense: per-head q/k norm, tied embeddings (as Qwen3-4B), sliding window off.
+        "qwen3": make_llama(root / "qwen3", arch="qwen3", layers=4, seed=21, use_sliding_window=False,
+                            max_window_layers=4),
+        # Mistral (v0.3: no sliding window), one KV head, untied.
+        "mistral": make_llama(root / "mistral", arch="mistral", layers=4, kv_heads=1, tie=False, seed=22,
+                              sliding_window=None),
+    }
+
+
+@pytest.fixture(scope="module")
+def byo_reference(byo_targets):
+    return {name: [o.token_ids for o in _run_all(_engine(folder), BYO_PROMPTS, BYO_MAX_TOKENS)]
+            for name, folder in byo_targets.items()}
+
+
+def _specforge_qwen3(folder, target):
+    """SpecForge `configs/qwen3-4b-eagle3.json`, shrunk: as wide as the target, no
+    target_hidden_size, draft_vocab_size at top level, tie_word_embeddings true, no eagle_config;
+    the trained head carries its embeddings, d2t and t2d, names bare with `midlayer.*`."""
+    return make_eagle3(folder, target, hidden=64, draft_vocab=32, own_embeddings=True, declare_target_hidden=False,
+                       aux_ids_at="top", tie_word_embeddings=True, max_window_layers=36, use_sliding_window=False,
+                       sliding_window=None, bos_token_id=None, eos_token_id=62)
+
+
+def _eagle_authors_qwen3(folder, target):
+    """yuhuili/EAGLE3-*: `midlayer.*`, d2t and t2d, no embeddings (the target's), no target_hidden_size."""
+    return make_eagle3(folder, target, hidden=64, draft_vocab=32, declare_target_hidden=False, aux_ids_at="top",
+                       seed=3)
+
+
+def _sglang_prefixed_mistral(folder, target):
+    """SGLang's module names (`model.midlayer.*`, `model.fc`), a narrower head with its own
+    embeddings, aux layers in `eagle_config`, the whole vocabulary without d2t/t2d."""
+    return make_eagle3(folder, target, hidden=32, prefix="model.", own_embeddings=True, aux_layer_ids=[0, 1, 2],
+                       seed=4)
+
+
+def _vllm_layers_mistral(folder, target):
+    """vLLM's names (`layers.0.*`), aux layer ids at the top level (as the speculators configs),
+    an identity d2t and no LM head (the target's, over the whole vocabulary)."""
+    return make_eagle3(folder, target, hidden=64, layer="layers.0", aux_ids_at="top", aux_layer_ids=[1, 2],
+                       lm_head=False, maps=True, seed=5)
+
+
+def _eagle1_authors_mistral(folder, target):
+    """The EAGLE authors' EAGLE-1/2 heads: the target's config with `LlamaForCausalLM`, fc.* and layers.0.*."""
+    return make_eagle(folder, target, architectures=("LlamaForCausalLM",), seed=6)
+
+
+def _qwen3_standalone(folder, target):
+    """A smaller Qwen3 LM sharing the target's tokenizer (vocab and eos)."""
+    return make_llama(folder, arch="qwen3", hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, seed=23,
+                      use_sliding_window=False)
+
+
+BYO_MATRIX = [
+    ("qwen3", _specforge_qwen3, "EAGLE3", 2, 6, 3),
+    ("qwen3", _eagle_authors_qwen3, "EAGLE3", 1, 4, 3),
+    ("qwen3", _qwen3_standalone, "STANDALONE", 2, 5, 3),
+    ("mistral", _sglang_prefixed_mistral, "EAGLE3", 1, 4, 3),
+    ("mistral", _vllm_layers_mistral, "EAGLE3", 2, 6, 3),
+    ("mistral", _eagle1_authors_mistral, "EAGLE", 1, 4, 3),
+]
+
+
+@pytest.mark.parametrize("target,make_draft,algorithm,topk,n,steps", BYO_MATRIX,
+                         ids=[f"{case[0]}-{case[1].__name__.strip('_')}-{case[3]}" for case in BYO_MATRIX])
+def test_published_layouts_are_lossless(byo_targets, byo_reference, tmp_path, target, make_draft, algorithm, topk,
+                                        n, steps):
+    draft = make_draft(tmp_path / "draft", byo_targets[target])
+    engine = _engine(byo_targets[target], algorithm, draft, topk, n, steps)
+    free_before = engine.scheduler.num_free_slots
+    outs = _run_all(engine, BYO_PROMPTS, BYO_MAX_TOKENS)
+    assert [o.token_ids for o in outs] == byo_reference[target]
+    assert engine.scheduler.num_free_slots == free_before
+
+
+@pytest.mark.parametrize("field,value", [("eos_token_id", 5), ("vocab_size", 80)])
+def test_standalone_with_another_tokenizer_is_refused(byo_targets, tmp_path, field, value):
+    """A standalone draft must share the target's tokenizer: refused at startup naming the field."""
+    draft = make_llama(tmp_path / "other", arch="qwen3", hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64,
+                       use_sliding_window=False, **{"vocab_size": 80} if field == "vocab_size" else {})
+    if field == "eos_token_id":
+        config = json.loads((draft / "config.json").read_text())
+        (draft / "config.json").write_text(json.dumps(dict(config, eos_token_id=value)))
+    with pytest.raises(ValueError, match=rf"^{field}: STANDALONE draft has {field} {value}, target has"):
+        _engine(byo_targets["qwen3"], "STANDALONE", draft)

@@ -1,7 +1,7 @@
 """Model code against transformers on the same weights, checkpoint loading, and the runners.
 
 Our target (paged KV, flat ragged rows, explicit positions, tree masks) is compared with
-transformers' LlamaForCausalLM / Qwen2ForCausalLM logits in fp32 for prefill, decode after
+transformers' Llama / Mistral / Qwen2 / Qwen3 ForCausalLM logits in fp32 for prefill, decode after
 prefill, tree verification and a ragged batch; every KV pool starts full of large garbage so
 that reading a slot a request does not own (or a padding slot) changes the result. Tiny
 random models go through the real loader; the real SmolLM2 tests are marked integration and
@@ -19,10 +19,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_eagle3, make_hot_vocab, make_llama
+from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 from models.attention import AttentionMetadata, KVPool
-from models.build import ModelSource, build_draft, build_target
+from models.build import ModelSource, build_draft, build_target, check_target
 from models.loader import CheckpointError, resolve_model
 from models.packed import PackedLinear, can_pack, pack_linears
 from models.registry import DEFAULT_MODEL, REGISTRY
@@ -88,13 +88,24 @@ def _make_variant(name: str, folder: Path) -> Path:
                                     "rope_theta": 500000.0})
     elif name == "qwen2_yarn_rope":
         return _make_qwen2(folder)
+    elif name == "qwen3_qk_norm":
+        # Per-head q/k RMSNorm, head_dim 24 != hidden / heads, untied; sliding window switched off
+        # (use_sliding_window false) as published Qwen3 configs have it.
+        make_llama(folder, arch="qwen3", layers=5, heads=4, kv_heads=2, head_dim=24, tie=False, seed=8,
+                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                   sliding_window=None, use_sliding_window=False, max_window_layers=5)
+    elif name == "mistral":
+        # Mistral v0.3: no sliding window, head_dim given, untied.
+        make_llama(folder, arch="mistral", layers=4, heads=4, kv_heads=1, head_dim=16, tie=False, seed=9,
+                   sliding_window=None)
     else:
         raise KeyError(name)
     _randomize_vectors(folder, seed=11)
     return folder
 
 
-CONFIGS = ["tied_gqa", "llama_untied_bias_linear_rope", "llama_head_dim_mqa_llama3_rope", "qwen2_yarn_rope"]
+CONFIGS = ["tied_gqa", "llama_untied_bias_linear_rope", "llama_head_dim_mqa_llama3_rope", "qwen2_yarn_rope",
+           "qwen3_qk_norm", "mistral"]
 
 
 @dataclass
@@ -482,6 +493,65 @@ def test_eagle_v1_shares_embeddings_and_lm_head(tiny_target, tiny_eagle):
     assert draft.fc.in_features == 2 * 64 and draft.fc.bias is not None
 
 
+@pytest.mark.parametrize("layout", [{"prefix": "model."}, {"layer": "layers.0"}, {"layer": "layers.0", "prefix": "model."}])
+def test_eagle3_layouts_load_the_same_head(tiny_target, tmp_path, layout):
+    """One head (same seed) saved under SpecForge/EAGLE-authors names (bare, `midlayer.*`), SGLang's
+    (`model.` prefix) and vLLM's (`layers.0.*`) loads into identical modules."""
+    common = dict(hidden=32, draft_vocab=32, own_embeddings=True, seed=31)
+    reference = make_eagle3(tmp_path / "midlayer", tiny_target, **common)
+    other = make_eagle3(tmp_path / "other", tiny_target, **common, **layout)
+    assert set(load_file(str(other / "model.safetensors"))) != set(load_file(str(reference / "model.safetensors")))
+    a, b = (build_draft(SpecAlgorithm.EAGLE3, _src(d), _src(tiny_target), FP32, "cpu").state_dict()
+            for d in (reference, other))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_eagle_authors_head_is_known_by_its_tensors(tiny_target, tmp_path):
+    """The EAGLE authors' EAGLE-1/2 heads declare LlamaForCausalLM: their fc and layers.0.* make
+    them an EAGLE head, with the target's embeddings and LM head."""
+    from models.build import draft_kind
+
+    draft = make_eagle(tmp_path / "authors", tiny_target, architectures=("LlamaForCausalLM",))
+    source = _src(draft)
+    assert draft_kind(source.config, source.tensor_names()) is SpecAlgorithm.EAGLE
+    assert draft_kind(_src(tiny_target).config, _src(tiny_target).tensor_names()) is SpecAlgorithm.STANDALONE
+    model = build_draft(SpecAlgorithm.EAGLE, source, _src(tiny_target), FP32, "cpu")
+    target = build_target(_src(tiny_target), FP32, "cpu")
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)
+    with pytest.raises(CheckpointError, match=r"'architectures' is \['LlamaForCausalLM'\].*EAGLE draft.*STANDALONE"):
+        build_draft(SpecAlgorithm.STANDALONE, source, _src(tiny_target), FP32, "cpu")
+
+
+def test_eagle3_without_lm_head_needs_the_whole_vocabulary(tiny_target, tmp_path):
+    from models.build import check_draft_checkpoint
+
+    full = make_eagle3(tmp_path / "full", tiny_target, hidden=64, lm_head=False)
+    target = build_target(_src(tiny_target), FP32, "cpu")
+    model = build_draft(SpecAlgorithm.EAGLE3, _src(full), _src(tiny_target), FP32, "cpu")
+    assert torch.equal(model.lm_head.weight, target.lm_head.weight)
+    reduced = make_eagle3(tmp_path / "reduced", tiny_target, hidden=64, draft_vocab=32, lm_head=False)
+    with pytest.raises(CheckpointError, match=r"'lm_head.weight' missing.*draft_vocab_size 32"):
+        check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(reduced), _src(tiny_target))
+
+
+def test_draft_checkpoint_checked_from_headers_before_loading(tiny_target, tmp_path, monkeypatch):
+    """Startup checks every tensor name and shape of a draft from its files' headers: a head
+    trained for another target width is refused naming the tensor, and no tensor is read."""
+    from models.build import check_draft_checkpoint
+    from models.loader import TensorSource
+
+    def no_reads(self, name):
+        raise AssertionError(f"read {name}")
+
+    good = make_eagle3(tmp_path / "good", tiny_target, hidden=32, draft_vocab=32, own_embeddings=True)
+    bad = _copy(good, tmp_path / "bad")
+    _edit_tensors(bad, lambda s: s.update({"fc.weight": torch.zeros(32, 3 * 48)}))
+    monkeypatch.setattr(TensorSource, "get", no_reads)
+    check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(good), _src(tiny_target))
+    with pytest.raises(CheckpointError, match=r"'fc\.weight' has shape \(32, 144\), the config implies \(32, 192\)"):
+        check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(bad), _src(tiny_target))
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -521,9 +591,10 @@ def test_missing_tensor(tiny_target, tmp_path):
 def test_wrong_shaped_tensor(tiny_target, tmp_path):
     folder = _copy(tiny_target, tmp_path / "m")
     _edit_tensors(folder, lambda s: s.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(64, 64)}))
-    with pytest.raises(CheckpointError, match=r"k_proj\.weight' has shape \(64, 64\), the config implies \(32, 64\)") as err:
-        build_target(_src(folder), FP32, "cpu")
-    assert str(folder) in str(err.value)
+    for check in (lambda: build_target(_src(folder), FP32, "cpu"), lambda: check_target(_src(folder))):
+        with pytest.raises(CheckpointError, match=r"k_proj\.weight' has shape \(64, 64\), the config implies \(32, 64\)") as err:
+            check()
+        assert str(folder) in str(err.value)
 
 
 def test_unexpected_tensor(tiny_target, tmp_path):
@@ -544,10 +615,14 @@ def test_only_pickled_checkpoint_is_refused(tiny_target, tmp_path):
 
 
 def test_narrow_eagle3_without_own_embeddings(tiny_target, tmp_path):
+    from models.build import check_draft_checkpoint
+
     draft = make_eagle3(tmp_path / "narrow", tiny_target, hidden=32, own_embeddings=False)
-    with pytest.raises(CheckpointError, match="embed_tokens.weight") as err:
-        build_draft(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target), FP32, "cpu")
-    assert str(draft) in str(err.value)
+    for check in (lambda: build_draft(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target), FP32, "cpu"),
+                  lambda: check_draft_checkpoint(SpecAlgorithm.EAGLE3, _src(draft), _src(tiny_target))):
+        with pytest.raises(CheckpointError, match=r"no 'embed_tokens.weight' and the target's \(64, 64\)") as err:
+            check()
+        assert str(draft) in str(err.value)
 
 
 def test_eagle3_reduced_vocab_without_d2t(tiny_target, tmp_path):
@@ -599,6 +674,50 @@ def test_sharded_checkpoint_with_missing_shard(tiny_target, tmp_path):
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors"):
         build_target(_src(sharded), FP32, "cpu")
+
+
+@pytest.mark.parametrize("arch,dtype", [("qwen3", torch.bfloat16), ("mistral", torch.float16), ("llama", torch.float32)])
+def test_sharded_half_precision_checkpoint_matches_transformers(arch, dtype, tmp_path):
+    """A checkpoint saved by save_pretrained in bf16/fp16/fp32 across several shards (an index
+    file, as published 4B-70B models come) serves the logits transformers computes from it."""
+    extra = {"qwen3": {"head_dim": 24, "use_sliding_window": False}, "mistral": {"sliding_window": None}}.get(arch, {})
+    folder = make_llama(tmp_path / arch, arch=arch, tie=False, layers=3, seed=12, dtype=dtype,
+                        max_shard_size="40KB", **extra)
+    assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
+    assert len(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())) > 1
+    p = _load_pair(folder)
+    req = prefill_req(rand_tokens(11, 12), Slots(12))
+    (logits,), _ = ours_forward(p.ours, garbage_pool(p.ours, 12), [req])
+    assert_close(logits, hf_expected(p.hf, req), what=f"{arch} {dtype} sharded")
+
+
+def test_unsupported_model_type_is_refused_naming_it(tiny_target, tmp_path):
+    folder = _copy(tiny_target, tmp_path / "gemma")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="gemma2", architectures=["Gemma2ForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"'model_type' is 'gemma2' \(architectures \['Gemma2ForCausalLM'\]\)") as err:
+        build_target(ModelSource(folder, config), FP32, "cpu")
+    assert "qwen3" in str(err.value) and str(folder) in str(err.value)
+
+
+@pytest.mark.parametrize("arch,fields", [
+    ("mistral", {"sliding_window": 128}),  # Mistral 7B v0.1 style: a window below the context
+    ("qwen3", {"sliding_window": 128, "use_sliding_window": True, "max_window_layers": 1}),
+])
+def test_sliding_window_below_context_is_refused(arch, fields, tmp_path):
+    folder = make_llama(tmp_path / arch, arch=arch, layers=2, max_pos=512, **fields)
+    with pytest.raises(ValueError, match=r"'sliding_window' is 128.*max_position_embeddings 512") as err:
+        build_target(_src(folder), FP32, "cpu")
+    assert str(folder) in str(err.value)
+
+
+def test_sliding_window_as_long_as_the_context_serves(tmp_path):
+    """Mistral's default config carries a window; one that covers the whole context changes nothing."""
+    p = _load_pair(make_llama(tmp_path / "mistral", arch="mistral", layers=2, max_pos=256, sliding_window=256))
+    req = prefill_req(rand_tokens(9, 14), Slots(14))
+    (logits,), _ = ours_forward(p.ours, garbage_pool(p.ours, 14), [req])
+    assert_close(logits, hf_expected(p.hf, req), what="mistral with a window >= context")
 
 
 def test_unknown_model_name_lists_registered_names():
