@@ -168,9 +168,10 @@ def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
     import ray
     from ray import serve
 
-    import serve_app
     from graphs.config import EngineConfig
     from graphs.runtime import graph_bundles
+    from serve.app import build_app
+    from serve.settings import split_args
 
     common = {"model": args.model, "max_running_requests": max(32, max(args.concurrency)),
               "max_queue": 4 * max(args.concurrency) + 16}
@@ -178,9 +179,9 @@ def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
         common["kv_slots"] = args.kv_slots
     configs = {}
     for name in names:
-        # `spec` leaves speculation to the server's defaults (serve_app.apply_spec_defaults).
+        # `spec` leaves speculation to the server's defaults (serve.settings.apply_spec_defaults).
         configs[name] = {**common, **({"speculative_algorithm": "NONE"} if name == "none" else {})}
-    needed = sum(sum(b.get("CPU", 0) for b in graph_bundles(EngineConfig(**serve_app.split_args(c)[0],
+    needed = sum(sum(b.get("CPU", 0) for b in graph_bundles(EngineConfig(**split_args(c)[0],
                                                                          backend="ray"))) + 0.5
                  for c in configs.values())
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 1), include_dashboard=False,
@@ -196,7 +197,7 @@ def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         for name, config in configs.items():
             t0 = time.perf_counter()
-            serve.run(serve_app.build_app(config), name=name, route_prefix=f"/{name}")
+            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
             log(f"{name}: deployed {config} in {time.perf_counter() - t0:.1f} s")
     except BaseException:
         stop()

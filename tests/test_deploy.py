@@ -9,7 +9,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from serve_app import split_args
+from serve.settings import split_args
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

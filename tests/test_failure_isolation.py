@@ -61,10 +61,10 @@ def _poisoned(monkeypatch, where: str) -> tuple[list[int], SamplingParams]:
     elif where == "commit":
         append = Request.append_tokens
 
-        def append_tokens(self, tokens):
+        def append_tokens(self, tokens, logprobs=None):
             if self.params.seed == POISON_SEED and len(self.output_ids) >= 3:
                 raise RuntimeError("poisoned commit")
-            return append(self, tokens)
+            return append(self, tokens, logprobs)
 
         monkeypatch.setattr(Request, "append_tokens", append_tokens)
     return prompt, params

@@ -13,10 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-import serve_app
-from netutil import free_port
 from graphs.metrics import ServeMetrics, merge, render
-from serve_app import APIError, build_app, parse_request, split_args
+from models.registry import DEFAULT_MODEL
+from netutil import free_port
+from serve.app import build_app
+from serve.cli import main as serve_main
+from serve.protocol import APIError, chat_logprobs, completion_logprobs, parse_request
+from serve.settings import DEFAULT_EAGLE3_DRAFT, ENGINE_DEPLOYMENT, FALLBACK_SPECULATION, split_args
 
 REPO = Path(__file__).resolve().parent.parent
 API_KEY = "test-key"
@@ -110,7 +113,8 @@ def test_bad_requests_are_400_or_404(body, chat, status, param):
 
 
 def test_api_key_settings(monkeypatch):
-    from serve_app import ServeSettings, app_args_from_cli, parse_args
+    from serve.cli import app_args_from_cli, parse_args
+    from serve.settings import ServeSettings
 
     monkeypatch.setenv("MY_KEY", "s3cret")
     assert ServeSettings(api_key_env="MY_KEY").resolved_api_key() == "s3cret"
@@ -128,7 +132,7 @@ def test_api_key_settings(monkeypatch):
     args = app_args_from_cli(parse_args([]))
     assert args["api_key_env"] == "SPECGRAPH_API_KEY" and "api_key" not in args
     monkeypatch.delenv("SPECGRAPH_API_KEY")
-    assert serve_app.main(["--host", "0.0.0.0"]) == 2  # refused before Ray starts
+    assert serve_main(["--host", "0.0.0.0"]) == 2  # refused before Ray starts
 
 
 def test_sampling_fields_translation():
@@ -153,23 +157,23 @@ def test_sampling_fields_translation():
 def test_logprob_response_shapes():
     entries = [{"token": "w1", "logprob": -0.5, "bytes": [119, 49], "top": [("w1", -0.5, [119, 49]), ("w2", -1.5, [119, 50])]},
                {"token": " w3", "logprob": -2.0, "bytes": [32, 119, 51], "top": [("w4", -0.1, [119, 52])]}]
-    chat = serve_app._chat_logprobs(entries)
+    chat = chat_logprobs(entries)
     assert chat["content"][1] == {"token": " w3", "logprob": -2.0, "bytes": [32, 119, 51],
                                   "top_logprobs": [{"token": "w4", "logprob": -0.1, "bytes": [119, 52]}]}
-    legacy = serve_app._completion_logprobs(entries, offset=4)
+    legacy = completion_logprobs(entries, offset=4)
     assert legacy == {"tokens": ["w1", " w3"], "token_logprobs": [-0.5, -2.0],
                       "top_logprobs": [{"w1": -0.5, "w2": -1.5}, {" w3": -2.0, "w4": -0.1}], "text_offset": [4, 6]}
-    assert serve_app._chat_logprobs(None) is None and serve_app._completion_logprobs(None) is None
+    assert chat_logprobs(None) is None and completion_logprobs(None) is None
 
 
 def test_app_args_and_deployment_options(tiny_target):
     engine, settings = split_args({"model": str(tiny_target), "num_steps": "2", "max_replicas": "3",
                                    "max_running_requests": 8, "api_key": "k"})
     assert engine["num_steps"] == 2 and settings.max_replicas == 3 and settings.api_key == "k"
-    assert engine["speculative_algorithm"] == serve_app.FALLBACK_SPECULATION["speculative_algorithm"]
+    assert engine["speculative_algorithm"] == FALLBACK_SPECULATION["speculative_algorithm"]
     default = split_args({})[0]
-    assert default["model"] == serve_app.DEFAULT_MODEL
-    assert (default["speculative_algorithm"], default["draft_model"]) == ("EAGLE3", serve_app.DEFAULT_EAGLE3_DRAFT)
+    assert default["model"] == DEFAULT_MODEL
+    assert (default["speculative_algorithm"], default["draft_model"]) == ("EAGLE3", DEFAULT_EAGLE3_DRAFT)
     assert (default["num_steps"], default["eagle_topk"], default["num_draft_tokens"], default["ngram_branch"]) \
         == (3, 4, 8, 5)
     assert default["verify_budget"] == 16 and "disable_by_batch_size" not in default
@@ -272,7 +276,7 @@ def client(server):
 def engine_handle(server):
     from ray import serve
 
-    return serve.get_deployment_handle(serve_app.ENGINE_DEPLOYMENT, app_name="default")
+    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name="default")
 
 
 def _headers() -> dict:

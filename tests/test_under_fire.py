@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-import serve_app
 from bench import soak
 from fuzz_checks import is_server_error
 from netutil import free_port
-from serve_app import build_app
+from serve.app import build_app
+from serve.settings import ENGINE_DEPLOYMENT
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +60,7 @@ def server(tiny_target, tiny_eagle3_own):
 def engine_handle(server):
     from ray import serve
 
-    return serve.get_deployment_handle(serve_app.ENGINE_DEPLOYMENT, app_name="default")
+    return serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name="default")
 
 
 def _normal_request(url: str) -> httpx.Response:
