@@ -165,13 +165,7 @@ def measure_level(name: str, base: str, headers: dict, model: str | None, prompt
 
 def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
     """Deploy one application per config under /<name>; returns ({name: app args}, stop())."""
-    import ray
-    from ray import serve
-
-    from graphs.config import EngineConfig
-    from graphs.runtime import graph_bundles
-    from serve.app import build_app
-    from serve.settings import split_args
+    from bench.serving import start_local_serve
 
     common = {"model": args.model, "max_running_requests": max(32, max(args.concurrency)),
               "max_queue": 4 * max(args.concurrency) + 16}
@@ -181,27 +175,8 @@ def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
     for name in names:
         # `spec` leaves speculation to the server's defaults (serve.settings.apply_spec_defaults).
         configs[name] = {**common, **({"speculative_algorithm": "NONE"} if name == "none" else {})}
-    needed = sum(sum(b.get("CPU", 0) for b in graph_bundles(EngineConfig(**split_args(c)[0],
-                                                                         backend="ray"))) + 0.5
-                 for c in configs.values())
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed) + 1), include_dashboard=False,
-             log_to_driver=False)
-
-    def stop():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        for name, config in configs.items():
-            t0 = time.perf_counter()
-            serve.run(build_app(config), name=name, route_prefix=f"/{name}")
-            log(f"{name}: deployed {config} in {time.perf_counter() - t0:.1f} s")
-    except BaseException:
-        stop()
-        raise
+    stop = start_local_serve({name: (config, f"/{name}") for name, config in configs.items()}, args.port,
+                             spare_cpus=0.5 * len(configs) + 1)
     return configs, stop
 
 

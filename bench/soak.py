@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import datetime as _dt
 import json
-import math
 import os
 import random
 import sys
@@ -277,34 +276,17 @@ def run_soak(url: str, headers: dict, model: str | None, prompts: list[str], con
 
 def start_server(args) -> tuple[str, Callable[[], dict], Callable[[], None]]:
     """Local Ray + Serve with one application; returns (url, kv_stats, stop)."""
-    import ray
     from ray import serve
 
-    from graphs.config import EngineConfig
-    from graphs.runtime import graph_bundles
-    from serve.app import build_app
-    from serve.settings import ENGINE_DEPLOYMENT, split_args
+    from bench.serving import start_local_serve
+    from serve.settings import ENGINE_DEPLOYMENT
 
     app_args = {"max_running_requests": args.streams, "max_queue": 4 * args.streams + 16}
     for name in ("model", "kv_slots", "served_model_name", "speculative_algorithm", "draft_model"):
         if getattr(args, name) is not None:
             app_args[name] = getattr(args, name)
-    config = EngineConfig(**split_args(app_args)[0], backend="ray")
-    needed = sum(b.get("CPU", 0) for b in graph_bundles(config)) + 1
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
-             log_to_driver=False)
-
-    def stop():
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-
+    stop = start_local_serve({"soak": (app_args, "/")}, args.port)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
-        t0 = time.perf_counter()
-        serve.run(build_app(app_args), name="soak", route_prefix="/")
-        log(f"deployed {app_args} in {time.perf_counter() - t0:.1f} s")
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name="soak")
     except BaseException:
         stop()

@@ -15,7 +15,7 @@ import pytest
 
 from graphs.metrics import ServeMetrics, merge, render
 from models.registry import DEFAULT_MODEL
-from netutil import free_port
+from serving import tiny_server, wait_idle
 from serve.app import build_app
 from serve.cli import main as serve_main
 from serve.protocol import APIError, chat_logprobs, completion_logprobs, parse_request
@@ -236,33 +236,12 @@ def test_cli_help():
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_eagle3_shared):
-    import ray
-    from ray import serve
-
-    port = free_port(8100, 9000)
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({
-            "model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": str(tiny_eagle3_shared),
-            "num_steps": 3, "kv_slots": 4096, "max_running_requests": 16, "max_model_len": 256,
-            "api_key": API_KEY, "served_model_name": SERVED, "max_queue": 64,
-        }), name="default", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    with tiny_server({
+        "model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": str(tiny_eagle3_shared),
+        "num_steps": 3, "kv_slots": 4096, "max_running_requests": 16, "max_model_len": 256,
+        "api_key": API_KEY, "served_model_name": SERVED, "max_queue": 64,
+    }) as url:
         yield url
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -546,19 +525,9 @@ def test_32_concurrent_streams(server, client):
     assert texts == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
 
 
-def _wait_idle(engine_handle, timeout=60.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        stats = engine_handle.stats.remote().result()
-        if (stats["running"] == 0 and stats["waiting"] == 0 and stats["free_slots"] == stats["kv_slots"]) \
-                or time.time() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
 @pytest.mark.integration
 def test_client_disconnect_aborts_and_frees_kv(server, engine_handle):
-    before = _wait_idle(engine_handle)
+    before = wait_idle(engine_handle)
     aborted_before = _metrics(server).get("specgraph_requests_aborted_total", 0)
     body = {"model": SERVED, "prompt": "w1 w2", "max_tokens": 250, "temperature": 0, "ignore_eos": True,
             "stream": True}
@@ -568,7 +537,7 @@ def test_client_disconnect_aborts_and_frees_kv(server, engine_handle):
             lines = response.iter_lines()
             got = [line for line in (next(lines) for _ in range(4)) if line.startswith("data: ")]
             assert got
-    stats = _wait_idle(engine_handle)
+    stats = wait_idle(engine_handle)
     assert stats["running"] == 0 and stats["free_slots"] == stats["kv_slots"] == 4096
     # The scheduler itself ended the request early (it counts only aborts of unfinished requests).
     assert stats["aborted"] == before["aborted"] + 1
@@ -607,6 +576,6 @@ def test_metrics(server, client):
 def test_still_serving_after_all_of_it(server, client, engine_handle):
     out = client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "w7 w8"}], max_tokens=4)
     assert out.choices[0].message.content is not None and out.usage.completion_tokens <= 4
-    stats = _wait_idle(engine_handle)
+    stats = wait_idle(engine_handle)
     assert stats["free_slots"] == stats["kv_slots"]
     assert httpx.get(f"{server}/health", timeout=30).status_code == 200

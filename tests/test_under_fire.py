@@ -17,8 +17,7 @@ import pytest
 
 from bench import soak
 from fuzz_checks import is_server_error
-from netutil import free_port
-from serve.app import build_app
+from serving import tiny_server, wait_idle
 from serve.settings import ENGINE_DEPLOYMENT
 
 pytestmark = pytest.mark.integration
@@ -34,26 +33,13 @@ KV_SLOTS = 4096
 
 @pytest.fixture(scope="module")
 def server(tiny_target, tiny_eagle3_own):
-    import ray
-    from ray import serve
-
-    port = free_port(8100, 9000)
-    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app({
-            "model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": str(tiny_eagle3_own),
-            "num_steps": 3, "kv_slots": KV_SLOTS, "max_running_requests": 16, "max_model_len": 256,
-            "api_key": API_KEY, "served_model_name": SERVED, "max_queue": 64,
-        }), name="default", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+    with tiny_server({
+        "model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": str(tiny_eagle3_own),
+        "num_steps": 3, "kv_slots": KV_SLOTS, "max_running_requests": 16, "max_model_len": 256,
+        "api_key": API_KEY, "served_model_name": SERVED, "max_queue": 64,
+    }) as url:
         _wait_serving(url, 120)
         yield url
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +76,6 @@ def _assert_clean_error(error: dict) -> None:
     """An OpenAI error object whose message is one line, not a traceback."""
     assert set(error) == {"message", "type", "param", "code"} and error["message"], error
     assert "Traceback" not in error["message"] and "\n" not in error["message"], error
-
-
-def _wait_idle(engine_handle, timeout: float = 60.0) -> dict:
-    deadline = time.time() + timeout
-    while True:
-        stats = engine_handle.stats.remote().result()
-        if (stats["running"] == 0 and stats["waiting"] == 0 and stats["free_slots"] == stats["kv_slots"]) \
-                or time.time() > deadline:
-            return stats
-        time.sleep(0.1)
 
 
 # ---- fuzzing the OpenAPI schema ------------------------------------------------------------------
@@ -236,7 +212,7 @@ def test_killed_draft_or_target_costs_no_stream(server, engine_handle, no_fault_
     assert [r["error"] for r in results] == [None] * len(PROMPTS)
     assert [r["text"] for r in results] == no_fault_run  # identical output: the actor death cost nothing
     assert all(r["finish_reason"] == "length" and r["done"] for r in results)
-    stats = _wait_idle(engine_handle)
+    stats = wait_idle(engine_handle)
     assert stats["restarts"] > restarts and stats["free_slots"] == stats["kv_slots"] == KV_SLOTS
     _wait_serving(server, 60)
 
@@ -252,7 +228,7 @@ def test_killed_scheduler_or_replica_fails_in_flight_streams_cleanly_and_recover
         assert result["error"] is not None and result["finish_reason"] is None, result
         _assert_clean_error(result["error"])
     failed = _wait_serving(server, 150)  # Serve replaces the replica
-    stats = _wait_idle(engine_handle)
+    stats = wait_idle(engine_handle)
     assert stats["free_slots"] == stats["kv_slots"] == KV_SLOTS and stats["restarts"] == 0  # a fresh engine
     for response in failed:  # requests sent while the replica was replaced: clean errors
         _assert_clean_error(response.json()["error"])
