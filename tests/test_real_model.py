@@ -45,8 +45,10 @@ def drafts(tmp_path_factory):
         "eagle3_576": make_eagle3(root / "eagle3_576", target, hidden=576, heads=9, kv_heads=3),
         "eagle3_256": make_eagle3(root / "eagle3_256", target, hidden=256, heads=4, kv_heads=2,
                                   draft_vocab=8192, own_embeddings=True),
+        # A stand-in for a small LM with the target's tokenizer: its special ids are the target's.
         "standalone_128": make_llama(root / "standalone_128", vocab_size=49152, hidden=128, layers=2, heads=2,
-                                     kv_heads=1, intermediate=256, max_pos=8192, seed=3, std=0.02),
+                                     kv_heads=1, intermediate=256, max_pos=8192, seed=3, std=0.02,
+                                     bos_token_id=1, eos_token_id=2, pad_token_id=2),
         "target": target,
     }
 

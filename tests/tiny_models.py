@@ -55,7 +55,7 @@ def make_llama(folder: Path, vocab_size: int = 64, hidden: int = 64, layers: int
     config = getattr(transformers, f"{name}Config")(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=max_pos,
-        tie_word_embeddings=tie, eos_token_id=vocab_size - 2, bos_token_id=None, pad_token_id=None, **extra,
+        tie_word_embeddings=tie, **{"eos_token_id": vocab_size - 2, "bos_token_id": None, "pad_token_id": None, **extra},
     )
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
