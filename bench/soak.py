@@ -167,7 +167,8 @@ def sample_rss(pids: dict[int, str]) -> dict[int, int]:
 
 
 def rss_report(samples: list[tuple[float, dict[int, int]]], labels: dict[int, str], tolerance: float) -> dict:
-    """Per process alive from the first to the last sample: first/last/peak RSS in MiB and growth."""
+    """Per process alive from the first to the last sample: first/last/peak RSS in MiB, growth, and
+    every sample (a plateau and a leak end alike; the series tells them apart)."""
     if len(samples) < 2:
         return {"processes": {}, "flat": False, "reason": "fewer than two samples"}
     first, last = samples[0][1], samples[-1][1]
@@ -177,7 +178,8 @@ def rss_report(samples: list[tuple[float, dict[int, int]]], labels: dict[int, st
         growth = last[pid] / first[pid] - 1.0
         processes[f"{labels.get(pid, '?')}:{pid}"] = {
             "first_mib": round(first[pid] / 2**20, 1), "last_mib": round(last[pid] / 2**20, 1),
-            "peak_mib": round(peak / 2**20, 1), "growth": round(growth, 4), "flat": abs(growth) <= tolerance}
+            "peak_mib": round(peak / 2**20, 1), "growth": round(growth, 4), "flat": abs(growth) <= tolerance,
+            "series_mib": [round(s[pid] / 2**20, 1) for _, s in samples if pid in s]}
     return {"processes": processes, "flat": all(p["flat"] for p in processes.values()),
             "gone": len(set(first) - set(last)), "new": len(set(last) - set(first))}
 
