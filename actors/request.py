@@ -129,6 +129,10 @@ class Request:
         start, self.logprobs_emitted = self.logprobs_emitted, len(self.logprobs)
         return [(self.output_ids[i], lp, top) for i, (lp, top) in enumerate(self.logprobs[start:], start)]
 
+    def fail(self, error: str) -> None:
+        """End with finish_reason "error" (the scheduler frees its slots)."""
+        self.finish_reason, self.error = "error", error
+
     def take_delta(self) -> str:
         """New text since the last call; holds back a possible stop-string prefix until the
         request finishes, so streamed text never shows part of a stop string."""

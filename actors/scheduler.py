@@ -232,7 +232,7 @@ class Scheduler:
 
     def fail_request(self, request: Request, exc: BaseException) -> None:
         """End one request with an error wherever it is (queued or running) and free its slots."""
-        request.finish_reason, request.error = "error", f"{type(exc).__name__}: {exc}"
+        request.fail(f"{type(exc).__name__}: {exc}")
         if any(r is request for r in self.waiting):
             self.waiting.remove(request)
         rows = [i for i, r in enumerate(self.running) if r is request]
@@ -275,7 +275,7 @@ class Scheduler:
             request.append_tokens(tokens, logprobs)
         except Exception as exc:  # noqa: BLE001 - e.g. its detokenizer or stop rules raising
             log.warning("request %s failed committing its tokens: %s", request.rid, exc)
-            request.finish_reason, request.error = "error", f"{type(exc).__name__}: {exc}"
+            request.fail(f"{type(exc).__name__}: {exc}")
 
     def _admit(self) -> list[Request]:
         admitted, tokens = [], 0
@@ -415,7 +415,7 @@ class Scheduler:
         self.release_uncommitted()
         failed = list(self.waiting) + list(self.running)
         for request in failed:
-            request.finish_reason, request.error = "error", message
+            request.fail(message)
         self.waiting.clear()
         self._retire(list(range(len(self.running))))
         return failed

@@ -137,6 +137,14 @@ def _vocab_maps(model: torch.nn.Module, absent: set[str], folder: Path, target_v
         raise CheckpointError(f"{folder}: tensor 'd2t' maps draft ids outside the target's {target_vocab} ids")
 
 
+def _stand_ins(model: torch.nn.Module, absent: set[str], draft: ModelSource, target: ModelSource) -> dict[str, str]:
+    """{draft tensor its checkpoint left out: the target tensor standing in for it}, each checked
+    to fit from the target's headers (startup check and load alike)."""
+    _missing_lm_head(model, absent, draft.folder, int(cfg_get(target.config, "vocab_size")))
+    return {name: _shared_tensor_name(target, name, model.get_parameter(name).shape, draft.folder)
+            for name in SHARED_WITH_TARGET.keys() & absent}
+
+
 def _draft_module(algorithm: SpecAlgorithm, draft: ModelSource, target: ModelSource):
     """(module on the meta device, checkpoint names, optional tensors) for a draft checkpoint."""
     check_draft_kind(algorithm, draft)
@@ -169,9 +177,7 @@ def check_draft_checkpoint(algorithm: SpecAlgorithm, draft: ModelSource, target:
         _missing_vocab_maps(model, absent, draft.folder, target_vocab)
     if algorithm is SpecAlgorithm.STANDALONE:
         return  # a tied standalone LM's head is its own embeddings
-    _missing_lm_head(model, absent, draft.folder, target_vocab)
-    for name in SHARED_WITH_TARGET.keys() & absent:
-        _shared_tensor_name(target, name, model.get_parameter(name).shape, draft.folder)
+    _stand_ins(model, absent, draft, target)
 
 
 def _missing_vocab_maps(model: torch.nn.Module, absent: set[str], folder: Path, target_vocab: int) -> None:
@@ -210,10 +216,8 @@ def build_draft(
 
     if algorithm is SpecAlgorithm.EAGLE3:
         _vocab_maps(model, absent, draft.folder, target_vocab)
-    _missing_lm_head(model, absent, draft.folder, target_vocab)
-    for name in SHARED_WITH_TARGET.keys() & absent:
+    for name, found in _stand_ins(model, absent, draft, target).items():
         module = model.get_submodule(name.removesuffix(".weight"))
-        found = _shared_tensor_name(target, name, module.weight.shape, draft.folder)
         module.weight = torch.nn.Parameter(TensorSource(target.folder).get(found).to(dtype), requires_grad=False)
     return model.to(device).eval()
 

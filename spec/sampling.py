@@ -160,10 +160,15 @@ class ProcessorRows:
     frequency_penalty: torch.Tensor
 
 
+def _penalized(repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> bool:
+    """Some row has a penalty that changes its logits (the (R,) penalty tensors)."""
+    return bool(((repetition != 1.0) | (presence != 0.0) | (frequency != 0.0)).any())
+
+
 def needs_processors(meta: "BatchMeta") -> bool:
     """Some request of the step uses logit_bias, min_tokens or a penalty."""
-    return bool(meta.bias_ids.numel() or meta.stop_ids.numel() or bool(
-        ((meta.repetition_penalty != 1.0) | (meta.presence_penalty != 0.0) | (meta.frequency_penalty != 0.0)).any()))
+    return bool(meta.bias_ids.numel() or meta.stop_ids.numel()
+                or _penalized(meta.repetition_penalty, meta.presence_penalty, meta.frequency_penalty))
 
 
 def _per_row(meta: "BatchMeta", repeat: int) -> dict[str, torch.Tensor]:
@@ -223,8 +228,7 @@ def process_logits(logits: torch.Tensor, rows: ProcessorRows) -> torch.Tensor:
     if rows.bias_ids.numel():
         r, c = (rows.bias_ids >= 0).nonzero(as_tuple=True)
         logits.index_put_((r, rows.bias_ids[r, c]), rows.bias_values[r, c].float(), accumulate=True)
-    if bool(((rows.repetition_penalty != 1.0) | (rows.presence_penalty != 0.0)
-             | (rows.frequency_penalty != 0.0)).any()):
+    if _penalized(rows.repetition_penalty, rows.presence_penalty, rows.frequency_penalty):
         output_counts = _bin_counts(rows.output_tokens, vocab)  # (R, V)
         seen = (_bin_counts(rows.prompt_tokens, vocab) > 0) | (output_counts > 0)
         penalty = torch.where(seen, rows.repetition_penalty.float().unsqueeze(1), 1.0)
