@@ -11,6 +11,7 @@ import time
 
 import ray
 
+from actors.step import run_step
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
 
@@ -69,3 +70,21 @@ class DraftActor(_Timed):
     def extend(self, meta_and_verify: tuple[BatchMeta, VerifyInput], ext: DraftExtendInput):
         meta, _ = meta_and_verify
         return ext.without_hidden_states(), self._timed(self.drafter.extend, meta, ext)
+
+
+@ray.remote
+class TargetDraftActor(_Timed):
+    """The target with its drafter in the same process (draft placement "colocated"): one hop
+    per step, and the hidden states the draft reads never leave the process. `build(*args,
+    **kwargs)` makes the drafter, as for DraftActor."""
+
+    def __init__(self, target_kwargs: dict, build, *args, **kwargs):
+        from actors.target_runner import TargetRunner
+
+        self._reset_stats()
+        self.runner = TargetRunner(**target_kwargs)
+        self.drafter = build(*args, **kwargs)
+
+    def step(self, step: tuple[BatchMeta, DraftInput]) -> tuple[DraftExtendInput, DraftInput]:
+        ext, draft_input = self._timed(run_step, self.runner, self.drafter, *step)
+        return ext.without_hidden_states(), draft_input

@@ -4,6 +4,7 @@ and a compiled per-step graph (backend "ray")."""
 from __future__ import annotations
 
 from actors.scheduler import Scheduler
+from actors.step import run_step
 from actors.target_runner import TargetRunner
 from graphs.assembly import eos_token_ids, make_drafter, resolve_sources, scheduler_config
 from graphs.config import EngineConfig
@@ -19,9 +20,7 @@ class LocalExecutor:
         self.target, self.drafter = target, drafter
 
     def execute(self, meta: BatchMeta, draft_input: DraftInput) -> tuple[DraftExtendInput, DraftInput]:
-        verify = self.drafter.propose(meta, draft_input)
-        ext = self.target.forward_step(meta, verify)
-        return ext, self.drafter.extend(meta, ext)
+        return run_step(self.target, self.drafter, meta, draft_input)
 
 
 def build_local(config: EngineConfig) -> Engine:

@@ -11,6 +11,7 @@ from models.registry import DEFAULT_MODEL
 from spec.algorithm import SpecAlgorithm
 
 BACKENDS = ("local", "ray")
+DRAFT_PLACEMENTS = ("colocated", "separate")
 
 
 def _positive_int(value) -> bool:
@@ -54,6 +55,12 @@ class EngineConfig:
     target_resources: dict | None = None  # custom resources, e.g. {"target_node": 1}
     draft_resources: dict | None = None
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # Where the drafter runs: "colocated" inside the target's actor (one Ray hop per step, hidden
+    # states never serialized; its CPUs join the target's), "separate" in its own actor (a draft
+    # that needs its own device or node). None: separate for STANDALONE or when draft_num_gpus /
+    # draft_resources ask for the draft's own place, else colocated, the faster one measured
+    # (docs/benchmarks.md, bench/results/graph.json).
+    draft_placement: str | None = None
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
     step_timeout_s: float = 300.0  # a step slower than this counts as a failed actor
     # Actor restarts allowed per actor of the graph within 10 minutes; beyond them the engine is
@@ -112,8 +119,20 @@ class EngineConfig:
         for name in ("target_num_cpus", "draft_num_cpus", "target_num_gpus", "draft_num_gpus"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {getattr(self, name)!r}")
+        if self.draft_placement is not None and self.draft_placement not in DRAFT_PLACEMENTS:
+            raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS} or None, got {self.draft_placement!r}")
+        if self.draft_placement == "colocated" and (self.draft_num_gpus or self.draft_resources):
+            raise ValueError("draft_placement: 'colocated' runs the draft in the target's actor, on the target's "
+                             "resources; draft_num_gpus / draft_resources need draft_placement='separate'")
         if self.dp_size > 1 and self.backend != "ray":
             raise ValueError("dp_size: data parallelism needs backend='ray'")
+
+    @property
+    def colocated_draft(self) -> bool:
+        """Whether the Ray graph hosts the drafter inside the target's actor (draft_placement resolved)."""
+        if self.draft_placement is not None:
+            return self.draft_placement == "colocated"
+        return not (self.algorithm is SpecAlgorithm.STANDALONE or self.draft_num_gpus or self.draft_resources)
 
     def runner_kwargs(self, num_threads: int | None) -> dict:
         """What every runner is built with besides its model: KV pool size, dtype, device, threads."""

@@ -2,7 +2,8 @@
 
     execute_all([(meta, draft_input) per rank]) -> [(DraftExtendInput, DraftInput) per rank]
 
-Per rank: draft.propose -> target.forward_step -> draft.extend. The compiled executor
+Per rank: draft.propose -> target.forward_step -> draft.extend, or one call of the target
+actor that hosts its drafter (draft placement "colocated": `draft` is None). The compiled executor
 builds this once as a Ray compiled graph (ray.dag + experimental_compile) and runs every
 node of every rank each step; ranks without work pass idle inputs from spec/.
 """
@@ -22,7 +23,7 @@ from spec.batch import placeholder_draft_input
 @dataclass
 class RankActors:
     target: "ray.actor.ActorHandle"
-    draft: "ray.actor.ActorHandle"
+    draft: "ray.actor.ActorHandle | None"  # None: the target actor hosts the drafter
 
 
 class CompiledStepExecutor:
@@ -30,6 +31,9 @@ class CompiledStepExecutor:
         with InputNode() as inp:
             outputs = []
             for r, rank in enumerate(ranks):
+                if rank.draft is None:
+                    outputs.append(rank.target.step.bind(inp[r]))
+                    continue
                 meta_and_verify = rank.draft.propose.bind(inp[r])
                 ext = rank.target.forward_step.bind(meta_and_verify)
                 outputs.append(rank.draft.extend.bind(meta_and_verify, ext))
@@ -63,6 +67,9 @@ class ActorCallExecutor:
     def execute_all(self, steps: list) -> list:
         refs = []
         for rank, step in zip(self.ranks, steps):
+            if rank.draft is None:
+                refs.append(rank.target.step.remote(step))
+                continue
             meta_and_verify = rank.draft.propose.remote(step)
             ext = rank.target.forward_step.remote(meta_and_verify)
             refs.append(rank.draft.extend.remote(meta_and_verify, ext))

@@ -85,8 +85,8 @@ def wait_placed(pg, config: EngineConfig, bundles: list[dict]) -> None:
     while not ray.wait([ready], timeout=1.0)[0]:
         nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
         short = resource_shortfall(bundles, config.placement_strategy, nodes)
-        what = (f"the engine's placement group (dp_size={config.dp_size}; per rank a target bundle then a draft "
-                f"bundle: {bundles}) cannot be placed: " + "; ".join(short))
+        what = (f"the engine's placement group (dp_size={config.dp_size}; per rank a target bundle, then a draft "
+                f"bundle unless the draft is colocated: {bundles}) cannot be placed: " + "; ".join(short))
         if short and not _autoscaling():
             raise ValueError(f"{what}. Lower target_num_cpus/draft_num_cpus/GPUs or dp_size, or add nodes.")
         if time.monotonic() > deadline:

@@ -20,7 +20,7 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.ray_actors import DraftActor, TargetActor
+from actors.ray_actors import DraftActor, TargetActor, TargetDraftActor
 from actors.scheduler import DataParallelScheduler, Request
 from graphs.assembly import make_drafter
 from graphs.config import EngineConfig
@@ -52,16 +52,29 @@ def is_request_error(exc: BaseException) -> bool:
     return not isinstance(exc, RayError)
 
 
+def draft_cpus(config: EngineConfig) -> float:
+    """CPUs the drafter is given: model-free drafters (NGRAM, NONE) take none."""
+    return config.draft_num_cpus if config.algorithm.needs_draft_model else 0.0
+
+
+def target_cpus(config: EngineConfig) -> float:
+    """CPUs of a rank's target actor: a colocated drafter's join them (one process, one thread pool)."""
+    return config.target_num_cpus + (draft_cpus(config) if config.colocated_draft else 0.0)
+
+
 def graph_bundles(config: EngineConfig) -> list[dict]:
-    """Placement-group bundles of one graph: per rank, a target bundle then a draft bundle."""
+    """Placement-group bundles of one graph: per rank, a target bundle then (draft placement
+    "separate") a draft bundle. A colocated drafter's CPUs join the target's bundle."""
     bundles = []
     for _ in range(config.dp_size):
-        target = {"CPU": config.target_num_cpus, **({"GPU": config.target_num_gpus} if config.target_num_gpus else {}),
+        target = {"CPU": target_cpus(config), **({"GPU": config.target_num_gpus} if config.target_num_gpus else {}),
                   **(config.target_resources or {})}
-        draft_cpus = config.draft_num_cpus if config.algorithm.needs_draft_model else 0.0
-        draft = {"CPU": draft_cpus, **({"GPU": config.draft_num_gpus} if config.draft_num_gpus else {}),
+        bundles.append(target)
+        if config.colocated_draft:
+            continue
+        draft = {"CPU": draft_cpus(config), **({"GPU": config.draft_num_gpus} if config.draft_num_gpus else {}),
                  **(config.draft_resources or {})}
-        bundles += [target, {k: v for k, v in draft.items() if v} or {"CPU": 0.001}]
+        bundles.append({k: v for k, v in draft.items() if v} or {"CPU": 0.001})
     return bundles
 
 
@@ -73,8 +86,10 @@ class GraphRuntime:
         self.bundle_offset = bundle_offset
         self.dp = dp
         self.hidden_spec, self.topk_width = hidden_spec, topk_width
-        self.ranks = [RankActors(self._new_target(r), self._new_draft(r)) for r in range(config.dp_size)]
-        ray.get([a.ready.remote() for rank in self.ranks for a in (rank.target, rank.draft)])
+        self.per_rank = 1 if config.colocated_draft else 2  # placement-group bundles per rank
+        self.ranks = [RankActors(self._new_target(r), None if config.colocated_draft else self._new_draft(r))
+                      for r in range(config.dp_size)]
+        ray.get([a.ready.remote() for a in self.actors()])
         self.executor = self._full_executor()
         self.pending_drafts: dict[int, ray.ObjectRef] = {}  # rank -> ready() of a restarting draft
         self.restarts = 0  # ever (stats)
@@ -94,16 +109,20 @@ class GraphRuntime:
         return self.config.runner_kwargs(num_threads=max(1, int(num_cpus)))  # one torch thread per CPU granted
 
     def _new_target(self, rank: int):
+        """The rank's target actor; with a colocated draft it hosts the drafter too, on both their CPUs."""
         c = self.config
-        options = self._options(self.bundle_offset + 2 * rank, c.target_num_cpus, c.target_num_gpus)
-        return TargetActor.options(**options).remote(
-            model=c.model, algorithm=c.algorithm, draft_model=c.draft_model, **self._runner_kwargs(c.target_num_cpus))
+        cpus = target_cpus(c)
+        options = self._options(self.bundle_offset + self.per_rank * rank, cpus, c.target_num_gpus)
+        kwargs = self._runner_kwargs(cpus)  # one process: both runners share its torch threads
+        target_kwargs = dict(model=c.model, algorithm=c.algorithm, draft_model=c.draft_model, **kwargs)
+        if c.colocated_draft:
+            return TargetDraftActor.options(**options).remote(target_kwargs, make_drafter, c, **kwargs)
+        return TargetActor.options(**options).remote(**target_kwargs)
 
     def _new_draft(self, rank: int):
         c = self.config
-        cpus = c.draft_num_cpus if c.algorithm.needs_draft_model else 0.0
-        options = self._options(self.bundle_offset + 2 * rank + 1, cpus, c.draft_num_gpus)
-        return DraftActor.options(**options).remote(make_drafter, c, **self._runner_kwargs(cpus))
+        options = self._options(self.bundle_offset + self.per_rank * rank + 1, draft_cpus(c), c.draft_num_gpus)
+        return DraftActor.options(**options).remote(make_drafter, c, **self._runner_kwargs(draft_cpus(c)))
 
     def _full_executor(self):
         if self.config.compiled_graph:
@@ -111,7 +130,8 @@ class GraphRuntime:
         return ActorCallExecutor(self.ranks)
 
     def actors(self) -> list:
-        return [a for rank in self.ranks for a in (rank.target, rank.draft)]
+        """Per rank the target actor, then its draft actor (placement "separate" only)."""
+        return [a for rank in self.ranks for a in (rank.target, rank.draft) if a is not None]
 
     def shutdown(self) -> None:
         self._teardown()
@@ -160,7 +180,7 @@ class GraphRuntime:
                 ray.kill(rank.target, no_restart=True)
                 rank.target = self._new_target(r)
                 dead_target = True
-            if r not in self.pending_drafts and not self._alive(rank.draft):
+            if rank.draft is not None and r not in self.pending_drafts and not self._alive(rank.draft):
                 ray.kill(rank.draft, no_restart=True)
                 rank.draft = self._new_draft(r)
                 self.pending_drafts[r] = rank.draft.ready.remote()

@@ -35,16 +35,21 @@ def _ray_engine(target, algorithm=None, draft=None, **kw):
                                     draft_model=draft and str(draft), backend="ray", kv_slots=2048, **kw))
 
 
-@pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff", [
-    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None),
-    ("STANDALONE", "tiny_standalone", 1, 1, 4, None),
-    ("NGRAM", None, 2, 1, 4, None),
-    ("EAGLE3", "tiny_eagle3_shared", 2, 4, 8, 1),  # ranks with 2+ requests decode plainly
+# Draft placement None is the per-algorithm default: colocated for EAGLE3 and NGRAM, separate for STANDALONE.
+@pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff,placement", [
+    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, None),
+    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, "separate"),
+    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, None),
+    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, "colocated"),
+    ("NGRAM", None, 2, 1, 4, None, None),
+    ("EAGLE3", "tiny_eagle3_shared", 2, 4, 8, 1, None),  # ranks with 2+ requests decode plainly
 ])
-def test_lossless_through_the_compiled_graph(request, tiny_target, reference, algorithm, draft, dp, topk, n, cutoff):
+def test_lossless_through_the_compiled_graph(request, tiny_target, reference, algorithm, draft, dp, topk, n, cutoff,
+                                             placement):
     engine = _ray_engine(tiny_target, algorithm, draft and request.getfixturevalue(draft), dp_size=dp,
-                         eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff)
+                         eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff, draft_placement=placement)
     try:
+        assert len(engine.actors()) == dp * (1 if engine.config.colocated_draft else 2)
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
         # One request on dp ranks: the other ranks run idle inputs every step.
         assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
@@ -143,9 +148,10 @@ def _kill_midway(engine, which: str, reference):
     assert stats["restarts"] >= 1 and stats["free_slots"] == stats["kv_slots"]
 
 
-@pytest.mark.parametrize("which", ["draft", "target"])
-def test_actor_death_costs_no_request(tiny_target, tiny_standalone, reference, which):
-    engine = _ray_engine(tiny_target, "STANDALONE", tiny_standalone, dp_size=1)
+@pytest.mark.parametrize("which,placement", [("draft", "separate"), ("target", "separate"), ("target", "colocated")])
+def test_actor_death_costs_no_request(tiny_target, tiny_standalone, reference, which, placement):
+    """Colocated, the one actor of the rank holds target and draft: killing it takes both."""
+    engine = _ray_engine(tiny_target, "STANDALONE", tiny_standalone, dp_size=1, draft_placement=placement)
     try:
         _kill_midway(engine, which, reference)
         deadline = time.time() + 60

@@ -198,7 +198,7 @@ def test_app_args_and_deployment_options(tiny_target):
     auto = engine_dep._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 6.0)
     bundles = engine_dep._replica_config.placement_group_bundles
-    assert len(bundles) == 3 and bundles[1] == {"CPU": 1.0}  # replica, target, draft (none: a sliver)
+    assert bundles == [{"CPU": 0.1}, {"CPU": 1.0}]  # replica, target (the model-free drafter runs inside it)
     assert engine_dep._replica_config.placement_group_strategy == "PACK"
     assert engine_dep.max_ongoing_requests >= 8 + 256
 
