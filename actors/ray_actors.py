@@ -11,6 +11,7 @@ import time
 
 import ray
 
+from actors import channel_wait
 from actors.step import run_step
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
@@ -36,6 +37,10 @@ class _Timed:
 
     def ready(self) -> bool:
         return True
+
+    def sleep_while_waiting(self, max_sleep_s: float) -> None:
+        """Compiled-graph reads in this actor sleep, not spin, while they wait (actors.channel_wait)."""
+        channel_wait.install(max_sleep_s)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

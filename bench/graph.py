@@ -1,18 +1,29 @@
-"""Ray graph benchmark: per-step Ray overhead of the compiled graph vs plain actor calls,
-and throughput at 1/4/16/64 concurrent requests with and without speculation, next to the
-local backend, all in one run.
+"""Ray graph benchmark: the Ray backend against the local engine on the same cores, for NONE,
+NGRAM and the `make serve` EAGLE-3 tree, each Ray run with the drafter colocated in the target's
+actor and in its own actor.
 
-    python -m bench.graph [--model smollm2-135m-instruct] [--max-tokens 32] [--plot]
+    python -m bench.graph [--plot] [--quick]
 
-Ray overhead per step = wall time of executing the step (scheduler side) minus the compute
-time the actors measured inside themselves, at batch 1.
+Per config, the local engine and every Ray placement are built side by side and measured in
+turns (level by level, round by round), so a busy machine slows them alike; the figure to read is
+the same-run ratio Ray / local. Same cores: the local engine runs `--cores` torch threads; a Ray
+rank gets `--cores` CPUs in all (a draft model 1 of them, in its own actor or, colocated, added to
+the target's threads).
+
+Per-step profile at `--profile-batches`: where one step's wall time goes (scheduler plan, the
+executor call, each actor's compute measured inside it, commit), and CPU seconds per process
+per step, which shows a process that spins while it waits. Coordination = executor wall time
+minus the actors' compute (in the local engine the executor is the compute).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,6 +32,7 @@ import ray
 import torch
 
 from graphs import EngineConfig, SamplingParams, build_graph
+from serve.settings import DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION
 
 PROMPTS = [
     "Explain how a refrigerator keeps food cold.",
@@ -32,33 +44,141 @@ PROMPTS = [
     "How does a bicycle stay upright when moving?",
     "Summarize the plot of a heist movie you invent.",
 ]
+CONFIGS = ("none", "ngram", "eagle3-tree")  # eagle3-tree: what `make serve` runs (serve.settings)
+PLACEMENTS = ("colocated", "separate")
+TIMED = ("step", "plan", "execute", "commit")
 
 
 def conversations(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(n)]
 
 
-def actor_compute(engine) -> float:
-    return sum(ray.get(a.stats.remote(reset=True))["compute_s"] for a in engine.actors())
+def speculation(name: str, draft: str) -> dict:
+    if name == "none":
+        return {}
+    if name == "ngram":
+        return {"speculative_algorithm": "NGRAM", "num_steps": 4}
+    if name == "eagle3-tree":
+        return {**DEFAULT_SPECULATION, "draft_model": draft}
+    raise SystemExit(f"--configs: unknown config {name!r} (known: {', '.join(CONFIGS)})")
 
 
-def ray_overhead(base: dict, compiled: bool, max_tokens: int, repeats: int) -> dict:
-    engine = build_graph(EngineConfig(**base, backend="ray", compiled_graph=compiled))
-    try:
+def variants(name: str, args) -> dict[str, EngineConfig]:
+    """local, then ray/<placement> for each placement: the same engine on the same cores."""
+    base = {"model": args.model, "kv_slots": 8192, "max_running_requests": max(args.levels),
+            **speculation(name, args.draft_eagle3)}
+    local = EngineConfig(**base, num_threads=args.cores)
+    draft_cpus = 1 if local.algorithm.needs_draft_model else 0
+    out = {"local": local}
+    for placement in args.placements:
+        out[f"ray/{placement}"] = EngineConfig(**base, backend="ray", draft_placement=placement,
+                                               target_num_cpus=args.cores - draft_cpus, draft_num_cpus=draft_cpus)
+    return out
+
+
+# ---- instrumentation: timers installed on the live scheduler objects ------------------------
+
+
+def _add_timer(obj, method: str, key: str, totals: dict) -> None:
+    fn = getattr(obj, method)
+
+    def timed(*a, **kw):
+        start = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            seconds, calls = totals.get(key, (0.0, 0))
+            totals[key] = (seconds + time.perf_counter() - start, calls + 1)
+
+    setattr(obj, method, timed)
+
+
+def _install_in_scheduler_actor(actor_self) -> None:
+    """Runs inside the SchedulerActor (via __ray_call__): time its step, plans, executor and commits."""
+    totals = actor_self._bench_totals = {}
+    _add_timer(actor_self.runtime, "step", "step", totals)
+    _add_timer(actor_self.dp.executor, "execute_all", "execute", totals)
+    for rank in actor_self.dp.ranks:
+        _add_timer(rank, "plan", "plan", totals)
+        _add_timer(rank, "commit", "commit", totals)
+
+
+def _take_scheduler_actor_totals(actor_self) -> dict:
+    out = dict(actor_self._bench_totals)
+    actor_self._bench_totals.clear()
+    return out
+
+
+def _process_info(actor_self) -> dict:
+    return {"pid": os.getpid(), "torch_threads": torch.get_num_threads()}
+
+
+class Probe:
+    """Step timers, actor compute and per-process CPU time of one engine."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.ray = engine.config.backend == "ray"
+        if self.ray:
+            ray.get(engine.scheduler.__ray_call__.remote(_install_in_scheduler_actor))
+            self.actors = engine.actors()
+            per_rank = ["target+draft"] if engine.config.colocated_draft else ["target", "draft"]
+            self.kinds = per_rank * (len(self.actors) // len(per_rank))  # actors(): per rank, target then draft
+            infos = ray.get([a.__ray_call__.remote(_process_info) for a in [engine.scheduler, *self.actors]])
+            self.processes = {"scheduler": infos[0], **{k: i for k, i in zip(self.kinds, infos[1:])}}
+        else:
+            self.totals: dict = {}
+            sched = engine.scheduler
+            _add_timer(sched, "step", "step", self.totals)
+            _add_timer(sched, "plan", "plan", self.totals)
+            _add_timer(sched.executor, "execute", "execute", self.totals)
+            _add_timer(sched, "commit", "commit", self.totals)
+            self.processes = {"driver": {"pid": os.getpid(), "torch_threads": torch.get_num_threads()}}
+
+    def _totals(self) -> dict:
+        if self.ray:
+            return ray.get(self.engine.scheduler.__ray_call__.remote(_take_scheduler_actor_totals))
+        out = dict(self.totals)
+        self.totals.clear()
+        return out
+
+    def _compute(self) -> dict:
+        if not self.ray:
+            return {}
+        stats = ray.get([a.stats.remote(reset=True) for a in self.actors])
+        out: dict = {}
+        for kind, s in zip(self.kinds, stats):
+            out[kind] = out.get(kind, 0.0) + s["compute_s"]
+        return out
+
+    def _cpu(self) -> dict:
+        return {name: cpu_seconds(info["pid"]) for name, info in self.processes.items()}
+
+    def run(self, batch: int, max_tokens: int) -> dict:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        engine.chat(conversations(1), params)  # warm up
-        actor_compute(engine)
-        before = engine.stats()
-        for _ in range(repeats):
-            engine.chat(conversations(1), params)
-        after = engine.stats()
-        steps = after["executed_steps"] - before["executed_steps"]
-        wall = after["execute_s"] - before["execute_s"]
-        compute = actor_compute(engine)
-        return {"steps": steps, "step_ms": 1e3 * wall / steps, "compute_ms": 1e3 * compute / steps,
-                "overhead_ms": 1e3 * (wall - compute) / steps, "overhead_fraction": (wall - compute) / wall}
-    finally:
-        engine.shutdown()
+        self._totals(), self._compute()
+        cpu0 = self._cpu()
+        start = time.perf_counter()
+        self.engine.chat(conversations(batch), params)
+        wall = time.perf_counter() - start
+        cpu1 = self._cpu()
+        totals, compute = self._totals(), self._compute()
+        steps = totals["step"][1]
+        ms = {key: 1e3 * totals.get(key, (0.0, 0))[0] / steps for key in TIMED}
+        compute_ms = {k: 1e3 * v / steps for k, v in compute.items()} or {"in-process": ms["execute"]}
+        coordination = ms["execute"] - sum(compute_ms.values())
+        return {"batch": batch, "steps": steps, "wall_s": wall, **{f"{k}_ms": v for k, v in ms.items()},
+                "compute_ms": compute_ms, "coordination_ms": coordination,
+                "coordination_fraction": coordination / ms["step"],
+                "cpu_ms_per_step": {k: 1e3 * (cpu1[k] - cpu0[k]) / steps for k in cpu0},
+                "cpu_busy_fraction": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0},
+                "torch_threads": {k: v["torch_threads"] for k, v in self.processes.items()}}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def throughput(engine, concurrency: int, max_tokens: int) -> dict:
@@ -71,68 +191,158 @@ def throughput(engine, concurrency: int, max_tokens: int) -> dict:
     return {"tokens_per_s": tokens / wall, "wall_s": wall, "acceptance_length": tokens / steps}
 
 
+def measure_config(name: str, args) -> dict:
+    configs = variants(name, args)
+    engines = {}
+    try:
+        for key, cfg in configs.items():
+            engines[key] = build_graph(cfg)
+            engines[key].chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up
+        probes = {key: Probe(engine) for key, engine in engines.items()}
+        profile = {key: {} for key in engines}
+        for batch in args.profile_batches:
+            for key, probe in probes.items():
+                profile[key][str(batch)] = probe.run(batch, args.max_tokens)
+        runs = {key: {str(c): [] for c in args.levels} for key in engines}
+        for _ in range(args.rounds):
+            for c in args.levels:
+                for key, engine in engines.items():  # interleaved: a busy spell hits every variant
+                    runs[key][str(c)].append(throughput(engine, c, args.max_tokens))
+    finally:
+        for engine in engines.values():
+            engine.shutdown()
+    tput = {key: {c: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                      "runs": [r["tokens_per_s"] for r in rs],
+                      "acceptance_length": statistics.mean(r["acceptance_length"] for r in rs)}
+                  for c, rs in per.items()} for key, per in runs.items()}
+    ratio = {key: {c: tput[key][c]["tokens_per_s"] / tput["local"][c]["tokens_per_s"] for c in tput["local"]}
+             for key in tput if key != "local"}
+    return {"throughput": tput, "ratio_vs_local": ratio, "profile": profile}
+
+
+def wait_levers(args) -> dict:
+    """Spinning vs sleeping graph reads (EngineConfig.graph_wait_sleep_us), eagle3-tree, each
+    engine alone (an idle spinning engine would steal the others' cores): CPU seconds each
+    process burns in 2 s idle, and the step profile."""
+    out = {}
+    for placement in args.placements:
+        for sleep_us in (0.0, EngineConfig.graph_wait_sleep_us):
+            cfg = dataclasses.replace(variants("eagle3-tree", args)[f"ray/{placement}"], graph_wait_sleep_us=sleep_us)
+            engine = build_graph(cfg)
+            try:
+                engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
+                probe = Probe(engine)
+                before = probe._cpu()
+                time.sleep(2.0)
+                idle = {k: (v - before[k]) / 2.0 for k, v in probe._cpu().items()}
+                key = f"ray/{placement}/{'spin' if sleep_us == 0 else f'sleep{sleep_us:g}us'}"
+                out[key] = {"idle_cpu_fraction": idle,
+                            **{str(b): probe.run(b, args.max_tokens) for b in args.profile_batches}}
+                print(f"  {key}: idle CPU fraction {json.dumps({k: round(v, 2) for k, v in idle.items()})}; "
+                      + "; ".join(f"b={b} step {out[key][str(b)]['step_ms']:.1f} ms coordination "
+                                  f"{out[key][str(b)]['coordination_ms']:.2f} ms" for b in args.profile_batches),
+                      flush=True)
+            finally:
+                engine.shutdown()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--draft-model", default=None, help="EAGLE3 draft; NGRAM is used when absent")
+    parser.add_argument("--draft-eagle3", default=DEFAULT_EAGLE3_DRAFT, help="the EAGLE-3 head of eagle3-tree")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--placements", default=",".join(PLACEMENTS))
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--overhead-repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="throughput runs per level and variant (median)")
+    parser.add_argument("--profile-batches", default="1,16")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores each engine gets")
+    parser.add_argument("--no-levers", action="store_true", help="skip the spinning-vs-sleeping reads comparison")
+    parser.add_argument("--quick", action="store_true", help="1 round, levels 1,16, 16 tokens, no lever comparison")
     parser.add_argument("--out", default="bench/results/graph.json")
     parser.add_argument("--plot", action="store_true")
     args = parser.parse_args(argv)
-    levels = [int(x) for x in args.concurrency.split(",")]
-    spec = ({"speculative_algorithm": "EAGLE3", "draft_model": args.draft_model} if args.draft_model
-            else {"speculative_algorithm": "NGRAM", "num_steps": 4})
-    algorithms = {"none": {}, spec["speculative_algorithm"].lower(): spec}
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    base = {"model": args.model, "kv_slots": 8192, "max_running_requests": max(levels)}
-    result = {"meta": {"model": args.model, "max_tokens": args.max_tokens, "torch": torch.__version__,
-                       "python": platform.python_version(), "threads": torch.get_num_threads(),
-                       "date": time.strftime("%Y-%m-%d %H:%M"), "command": " ".join(sys.argv)},
-              "overhead_batch1": {}, "throughput": {}}
-    for name, compiled in (("compiled_graph", True), ("actor_calls", False)):
-        result["overhead_batch1"][name] = ray_overhead({**base, **spec}, compiled, args.max_tokens, args.overhead_repeats)
-    for backend in ("local", "ray"):
-        for alg, extra in algorithms.items():
-            engine = build_graph(EngineConfig(**base, **extra, backend=backend))
-            try:
-                engine.chat(conversations(1), SamplingParams(max_tokens=4, temperature=0.0))  # warm up
-                result["throughput"][f"{backend}/{alg}"] = {str(c): throughput(engine, c, args.max_tokens) for c in levels}
-            finally:
-                engine.shutdown()
-    ray.shutdown()
-    for key, per_level in result["throughput"].items():
-        per_level["scaling_16_vs_1"] = per_level.get("16", {}).get("tokens_per_s", 0) / per_level[str(levels[0])]["tokens_per_s"]
+    if args.quick:
+        args.rounds, args.concurrency, args.max_tokens, args.no_levers = 1, "1,16", 16, True
+    args.levels = [int(x) for x in args.concurrency.split(",")]
+    args.profile_batches = [int(x) for x in args.profile_batches.split(",")]
+    args.placements = args.placements.split(",")
+    for p in args.placements:
+        if p not in PLACEMENTS:
+            raise SystemExit(f"--placements: unknown placement {p!r} (known: {', '.join(PLACEMENTS)})")
+    ray.init(address="local", num_cpus=max(8, 2 * args.cores), include_dashboard=False, log_to_driver=False)
+    result = {"meta": {"model": args.model, "max_tokens": args.max_tokens, "cores": args.cores, "rounds": args.rounds,
+                       "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),
+                       "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                       "command": " ".join(["python -m bench.graph", *sys.argv[1:]])},
+              "configs": {}}
+    try:
+        if not args.no_levers:
+            result["wait_levers"] = wait_levers(args)
+        for name in args.configs.split(","):
+            result["configs"][name] = measure_config(name, args)
+            print(summary(name, result["configs"][name]), flush=True)
+    finally:
+        ray.shutdown()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     if args.plot:
-        plot(result, levels, out.with_suffix(".png"))
-    print(json.dumps(result, indent=2))
+        plot(result, out.with_suffix(".png"))
     return result
 
 
-def plot(result: dict, levels: list[int], path: Path) -> None:
+def summary(name: str, res: dict) -> str:
+    lines = [f"== {name}"]
+    for key, per in res["throughput"].items():
+        ratio = res["ratio_vs_local"].get(key)
+        lines.append(f"  {key:15s} " + "  ".join(
+            f"{c}: {v['tokens_per_s']:6.1f} tok/s" + (f" ({ratio[c]:.2f}x)" if ratio else "") for c, v in per.items()))
+    for key, per in res["profile"].items():
+        for batch, p in per.items():
+            lines.append(f"  profile {key:15s} b={batch:>3s} step {p['step_ms']:6.1f} ms: plan {p['plan_ms']:.2f} "
+                         f"execute {p['execute_ms']:.1f} (compute {sum(p['compute_ms'].values()):.1f}, coordination "
+                         f"{p['coordination_ms']:.2f} = {100 * p['coordination_fraction']:.1f}%) commit "
+                         f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for key, per_level in result["throughput"].items():
-        left.plot(levels, [per_level[str(c)]["tokens_per_s"] for c in levels], marker="o", label=key)
-    left.set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput")
-    left.legend()
-    names = list(result["overhead_batch1"])
-    compute = [result["overhead_batch1"][n]["compute_ms"] for n in names]
-    overhead = [result["overhead_batch1"][n]["overhead_ms"] for n in names]
-    right.bar(names, compute, label="actor compute")
-    right.bar(names, overhead, bottom=compute, label="Ray overhead")
-    right.set(ylabel="ms per step (batch 1)", title="Step time")
-    right.legend()
+    names = list(result["configs"])
+    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 8), squeeze=False)
+    for col, name in enumerate(names):
+        res = result["configs"][name]
+        top, bottom = axes[0][col], axes[1][col]
+        for key, ratio in res["ratio_vs_local"].items():
+            levels = [int(c) for c in ratio]
+            top.plot(levels, list(ratio.values()), marker="o", label=key)
+        top.axhline(1.0, color="gray", lw=0.8)
+        top.axhline(0.95, color="gray", lw=0.8, ls="--")
+        top.set(xscale="log", xlabel="concurrent requests", ylabel="throughput / local", title=name)
+        top.legend()
+        bars, labels = [], []
+        for key, per in res["profile"].items():
+            for batch, p in per.items():
+                labels.append(f"{key}\nb={batch}")
+                bars.append((p["plan_ms"] + p["commit_ms"], sum(p["compute_ms"].values()), p["coordination_ms"]))
+        x = range(len(bars))
+        sched = [b[0] for b in bars]
+        comp = [b[1] for b in bars]
+        coord = [b[2] for b in bars]
+        bottom.bar(x, sched, label="plan + commit")
+        bottom.bar(x, comp, bottom=sched, label="actor compute")
+        bottom.bar(x, coord, bottom=[s + c for s, c in zip(sched, comp)], label="coordination")
+        bottom.set_xticks(list(x), labels, fontsize=7)
+        bottom.set(ylabel="ms per step", title=f"{name}: one step")
+        bottom.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

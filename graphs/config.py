@@ -62,6 +62,10 @@ class EngineConfig:
     # (docs/benchmarks.md, bench/results/graph.json).
     draft_placement: str | None = None
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
+    # Ray 2.60's compiled-graph reads spin while they wait (ray#55128), stealing the cores the
+    # runners compute on; the graph's processes poll instead, sleeping up to this long between
+    # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
+    graph_wait_sleep_us: float = 500.0
     step_timeout_s: float = 300.0  # a step slower than this counts as a failed actor
     # Actor restarts allowed per actor of the graph within 10 minutes; beyond them the engine is
     # broken (its Serve replica reports unhealthy and is replaced).
@@ -116,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD, got {self.placement_strategy!r}")
-        for name in ("target_num_cpus", "draft_num_cpus", "target_num_gpus", "draft_num_gpus"):
+        for name in ("graph_wait_sleep_us", "target_num_cpus", "draft_num_cpus", "target_num_gpus", "draft_num_gpus"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {getattr(self, name)!r}")
         if self.draft_placement is not None and self.draft_placement not in DRAFT_PLACEMENTS:

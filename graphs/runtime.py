@@ -116,13 +116,18 @@ class GraphRuntime:
         kwargs = self._runner_kwargs(cpus)  # one process: both runners share its torch threads
         target_kwargs = dict(model=c.model, algorithm=c.algorithm, draft_model=c.draft_model, **kwargs)
         if c.colocated_draft:
-            return TargetDraftActor.options(**options).remote(target_kwargs, make_drafter, c, **kwargs)
-        return TargetActor.options(**options).remote(**target_kwargs)
+            return self._sleeping(TargetDraftActor.options(**options).remote(target_kwargs, make_drafter, c, **kwargs))
+        return self._sleeping(TargetActor.options(**options).remote(**target_kwargs))
 
     def _new_draft(self, rank: int):
         c = self.config
         options = self._options(self.bundle_offset + self.per_rank * rank + 1, draft_cpus(c), c.draft_num_gpus)
-        return DraftActor.options(**options).remote(make_drafter, c, **self._runner_kwargs(draft_cpus(c)))
+        return self._sleeping(DraftActor.options(**options).remote(make_drafter, c, **self._runner_kwargs(draft_cpus(c))))
+
+    def _sleeping(self, actor):
+        """Set how the new actor's graph reads wait; actor calls run in order, so before any graph compiles."""
+        actor.sleep_while_waiting.remote(self.config.graph_wait_sleep_us * 1e-6)
+        return actor
 
     def _full_executor(self):
         if self.config.compiled_graph:
