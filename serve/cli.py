@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="most verify rows per decode step: larger batches keep fewer tree nodes each "
                         "(default model: 16)")
     p.add_argument("--dp-size", type=int, default=None)
+    p.add_argument("--draft-placement", choices=("colocated", "separate"), default=None,
+                   help="drafter inside the target's actor or in its own (default: colocated, separate for STANDALONE)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--kv-slots", type=int, default=None)
