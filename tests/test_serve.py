@@ -176,7 +176,7 @@ def test_app_args_and_deployment_options(tiny_target):
     assert (default["speculative_algorithm"], default["draft_model"]) == ("EAGLE3", DEFAULT_EAGLE3_DRAFT)
     assert (default["num_steps"], default["eagle_topk"], default["num_draft_tokens"], default["ngram_branch"]) \
         == (3, 4, 8, 5)
-    assert default["verify_budget"] == 16 and "disable_by_batch_size" not in default
+    assert "verify_budget" not in default and "disable_by_batch_size" not in default  # adaptive instead
     assert default["min_path_prob"] == 0.1 and split_args({"min_path_prob": "0"})[0]["min_path_prob"] == 0.0
     assert split_args({"verify_budget": "64"})[0]["verify_budget"] == 64
     assert split_args({"disable_by_batch_size": "4"})[0]["disable_by_batch_size"] == 4
