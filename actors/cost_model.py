@@ -3,9 +3,9 @@
 A step that verifies N nodes per request costs more than a plain step (N = 1, the root alone),
 and gains the draft tokens it accepts. Both sides are measured online, never assumed:
 
-* `StepCostModel`: step seconds per tree-size bucket, a decayed least-squares fit that is linear
-  in the batch size and in the context tokens the batch attends to (what a verify row and a draft
-  level cost at this load; the drafting a bucket needs is part of its step).
+* `StepCostModel`: step seconds, a decayed least-squares fit linear in the verify rows, the context
+  they attend to, the draft levels and the batch (what a verify row and a draft level cost at this
+  load, measured from the steps the engine runs).
 * `AcceptanceModel`: per request and draft depth, the decayed rate at which that depth's token is
   accepted given the one before it was; new requests start from the batch-wide rates.
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Context tokens are fitted in thousands, so the three features have comparable scales.
+# Context tokens are fitted in thousands, so the features have comparable scales.
 _CONTEXT_UNIT = 1024.0
 
 
@@ -51,50 +51,61 @@ def capped_size(tree_size: int, batch: int, verify_budget: int | None, disable_b
 
 class DecayedLinearFit:
     """y ~ w . x by least squares over exponentially decayed samples (each new sample multiplies the
-    older ones' weight by `decay`), with a small ridge so that few samples still give an answer."""
+    older ones' weight by `decay`). A small ridge on every weight but the first (the intercept) keeps
+    the answer defined while the samples span few directions: a slope the data cannot tell yet
+    stays near 0, so a step predicts about what was measured rather than a wild extrapolation."""
 
-    def __init__(self, num_features: int, decay: float, ridge: float = 1e-4):
+    def __init__(self, num_features: int, decay: float, ridge: float = 1e-3):
         self.decay, self.ridge = decay, ridge
         self.xx = torch.zeros((num_features, num_features), dtype=torch.float64)
         self.xy = torch.zeros(num_features, dtype=torch.float64)
-        self.weight = 0.0  # decayed sample count
         self._w: torch.Tensor | None = None
 
     def observe(self, x: list[float], y: float) -> None:
         v = torch.tensor(x, dtype=torch.float64)
         self.xx = self.decay * self.xx + torch.outer(v, v)
         self.xy = self.decay * self.xy + v * y
-        self.weight = self.decay * self.weight + 1.0
         self._w = None
 
     def predict(self, x: list[float]) -> float:
         if self._w is None:
-            scale = float(self.xx.diagonal().mean()) + 1e-12
-            a = self.xx + self.ridge * scale * torch.eye(self.xx.shape[0], dtype=torch.float64)
-            self._w = torch.linalg.solve(a, self.xy)
+            penalty = self.ridge * (self.xx.diagonal() + 1e-9)
+            penalty[0] = 1e-12
+            self._w = torch.linalg.solve(self.xx + torch.diag(penalty), self.xy)
         return float(torch.tensor(x, dtype=torch.float64) @ self._w)
 
 
 class StepCostModel:
-    """Seconds of a decode step per tree-size bucket, as a function of the batch size B and the
-    context tokens C the batch attends to: cost_n(B, C) = a_n + b_n B + c_n C (decayed fits)."""
+    """Seconds of a decode step of B requests attending to C context tokens that verifies n nodes per
+    request and drafts L levels for them, one decayed linear fit over every step taken:
 
-    def __init__(self, buckets: list[int], decay: float = 0.95):
-        self.fits = {n: DecayedLinearFit(3, decay) for n in buckets}
+        cost = a + b B + c B n + d n C + e L + f L B
+
+    (fixed per step; per request; per verify row; attention of the rows over the context; per draft
+    level; per drafted request and level). One fit for all tree sizes, so a plain step measured at
+    this load also tells what a tree's fixed and per-request parts cost, and the other way round."""
+
+    def __init__(self, decay: float = 0.97):
+        self.fit = DecayedLinearFit(6, decay)
+        self.counts: dict[int, float] = {}  # decayed steps seen per tree size
 
     @staticmethod
-    def _features(batch: int, context_tokens: int) -> list[float]:
-        return [1.0, float(batch), context_tokens / _CONTEXT_UNIT]
+    def _features(nodes: int, depth: int, batch: int, context_tokens: int) -> list[float]:
+        context = context_tokens / _CONTEXT_UNIT
+        return [1.0, float(batch), float(batch * nodes), nodes * context, float(depth), float(depth * batch)]
 
-    def observe(self, nodes: int, batch: int, context_tokens: int, seconds: float) -> None:
-        self.fits[nodes].observe(self._features(batch, context_tokens), seconds)
+    def observe(self, nodes: int, depth: int, batch: int, context_tokens: int, seconds: float) -> None:
+        self.fit.observe(self._features(nodes, depth, batch, context_tokens), seconds)
+        for n in self.counts:
+            self.counts[n] *= self.fit.decay
+        self.counts[nodes] = self.counts.get(nodes, 0.0) + 1.0
 
     def samples(self, nodes: int) -> float:
-        return self.fits[nodes].weight
+        return self.counts.get(nodes, 0.0)
 
-    def predict(self, nodes: int, batch: int, context_tokens: int) -> float:
+    def predict(self, nodes: int, depth: int, batch: int, context_tokens: int) -> float:
         """Expected step seconds (never below a microsecond: an extrapolated line can dip under 0)."""
-        return max(1e-6, self.fits[nodes].predict(self._features(batch, context_tokens)))
+        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens)))
 
 
 class AcceptanceModel:
@@ -149,13 +160,13 @@ class TreeSizePolicy:
 
     def __init__(self, tree_size: int, draft_depth: int, adaptive: bool = True,
                  verify_budget: int | None = None, disable_by_batch_size: int | None = None,
-                 explore_every: int = 64, min_samples: float = 2.0):
+                 explore_every: int = 64):
         self.tree_size, self.draft_depth, self.adaptive = tree_size, draft_depth, adaptive
         self.verify_budget, self.disable_by_batch_size = verify_budget, disable_by_batch_size
         self.buckets = size_buckets(tree_size)
-        self.costs = StepCostModel(self.buckets)
+        self.costs = StepCostModel()
         self.acceptance = AcceptanceModel(max(draft_depth, 1))
-        self.explore_every, self.min_samples = explore_every, min_samples
+        self.explore_every = explore_every
         # Correction per bucket: accepted tokens seen over those predicted (small trees of a wide
         # draft accept less per depth than the rates, measured on full trees, suggest).
         self.seen = {n: 1.0 for n in self.buckets}
@@ -178,8 +189,9 @@ class TreeSizePolicy:
         depth = self.depth(nodes)
         if depth == 0:
             return float(len(rids))
-        scale = min(1.0, self.seen[nodes] / self.predicted[nodes])
-        return sum(1.0 + scale * self.acceptance.expected(rid, depth) for rid in rids)
+        # Clamped: a ratio of few samples must not promise more than every level accepted.
+        scale = min(2.0, self.seen[nodes] / self.predicted[nodes])
+        return sum(1.0 + min(depth, scale * self.acceptance.expected(rid, depth)) for rid in rids)
 
     def choose(self, rids: list[int], context_tokens: int) -> int:
         """This step's nodes per request for a batch of requests `rids` attending to `context_tokens`."""
@@ -189,18 +201,17 @@ class TreeSizePolicy:
             return self._chosen(cap)
         self.step += 1
         candidates = [n for n in self.buckets if n <= cap]
-        fitted = [n for n in candidates if self.costs.samples(n) >= self.min_samples]
-        unfitted = [n for n in candidates if n not in fitted]
-        if not fitted or (unfitted and len(fitted) < 2):
-            # Start up: measure the largest tree and the plain step before comparing anything.
-            order = [candidates[-1], candidates[0], *candidates[1:-1]]
-            return self._chosen(next(n for n in order if n in unfitted))
-        rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, batch, context_tokens) for n in fitted}
+        for n in (candidates[-1], candidates[0]):
+            if self.costs.samples(n) == 0:  # start up: measure the largest tree and the plain step first
+                return self._chosen(n)
+        rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
+                for n in candidates}
         best = max(rate, key=rate.get)
-        # Re-measure a neighbour of the best when this regime has not seen it lately.
+        # Re-measure the best's neighbours and the plain step (the fallback that must never be
+        # misjudged) when this load regime has not seen them lately.
         regime = self._regime(batch, context_tokens)
         i = candidates.index(best)
-        for n in candidates[max(i - 1, 0): i + 2]:
+        for n in dict.fromkeys([candidates[0], *candidates[max(i - 1, 0): i + 2]]):
             last = self.tried.get((n, *regime))
             if n != best and (last is None or self.step - last >= self.explore_every):
                 return self._chosen(n, regime)
@@ -224,8 +235,8 @@ class TreeSizePolicy:
             self.predicted[nodes] = 0.9 * self.predicted[nodes] + 0.1 * max(predicted, 1e-3)
             for rid, a in zip(rids, accepted):
                 self.acceptance.observe(rid, depth, a)
-        if self.adaptive and seconds is not None and nodes in self.costs.fits:
-            self.costs.observe(nodes, len(rids), context_tokens, seconds)
+        if self.adaptive and seconds is not None:
+            self.costs.observe(nodes, depth, len(rids), context_tokens, seconds)
         self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.overall[: self.draft_depth]]
 
     def forget(self, rid: int) -> None:

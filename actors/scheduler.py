@@ -476,6 +476,16 @@ class DataParallelScheduler:
         self.execute_s = 0.0  # wall time spent inside executor.execute_all (benchmarks)
         self.executed_steps = 0
 
+    def tree_size_stats(self) -> dict:
+        """Decode steps per chosen tree size (summed over ranks) and each rank's decayed acceptance
+        rate per draft depth (the adaptive policy's view, for /metrics)."""
+        steps: dict[int, int] = {}
+        for rank in self.ranks:
+            for size, n in rank.policy.stats.steps_by_size.items():
+                steps[size] = steps.get(size, 0) + n
+        return {"steps_by_tree_size": steps,
+                "acceptance_by_depth": [rank.policy.stats.acceptance_by_depth for rank in self.ranks]}
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         rank = min(self.ranks, key=lambda r: (len(r.running) + len(r.waiting), r.reserved))
         rid = self._next_rid
