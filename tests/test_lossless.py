@@ -76,6 +76,11 @@ def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm
     assert all(o.finish_reason == "length" for o in outs)
     assert engine.scheduler.num_free_slots == free_before
     assert engine.scheduler.reserved == 0
+    # Adaptive speculation (the default) measured plain steps and trees, and went from one to the
+    # other: drafts deferred over plain steps were caught up before the next tree.
+    sizes = engine.scheduler.policy.stats.steps_by_size
+    assert 1 in sizes and max(sizes) > 1
+    assert any(0 in o.draft_depths[:-1] and max(o.draft_depths[o.draft_depths.index(0):]) > 0 for o in outs)
 
 
 @pytest.mark.parametrize("algorithm,draft,topk,n,branch",
@@ -168,6 +173,17 @@ def test_batch_limits_shrink_trees_as_the_batch_grows(tiny_target, reference, li
     assert engine.scheduler.num_free_slots == free_before
     assert all(gained == min(nodes(batch), left) for batch, left, gained in steps)
     assert {nodes(batch) for batch, _, _ in steps} > {1}  # the run saw both cut and full trees
+
+
+def test_deferred_draft_catches_up_exactly(tiny_target, reference):
+    """Plain steps defer the draft's extend; the catch-up (here also forced every 2 waiting tokens)
+    must leave the draft's KV as step-by-step extends would: the target as its own draft then accepts
+    its whole tree at every step that drafts, after any number of plain steps."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, disable_by_batch_size=2, **FIXED_TREES)
+    engine.scheduler.executor.drafter.max_pending = 2
+    reqs, steps = _limited_steps(engine)
+    assert [r.output().token_ids for r in reqs] == reference
+    assert all(gained == (min(5, left) if batch <= 2 else 1) for batch, left, gained in steps)
 
 
 @pytest.mark.parametrize("algorithm,draft,topk,n", [("EAGLE3", "tiny_eagle3_shared", 4, 8), ("EAGLE", "tiny_eagle", 2, 5),
