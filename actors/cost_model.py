@@ -11,8 +11,9 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step). The user's `verify_budget` and `disable_by_batch_size` cap
-  it. Buckets near the best are re-measured now and then, and as soon as the batch size or the
-  context moves to a regime where they were never tried, so the choice follows the load.
+  it. A neighbour of the best is re-measured every `explore_every` steps, and the plain step once
+  whenever the batch size or the context moves to a regime where it was not measured, so the
+  choice follows the load at a cost of a step in ~64.
 
 Plain classes; no timing is taken here (the scheduler reports each step's wall time).
 """
@@ -26,6 +27,9 @@ import torch
 
 # Context tokens are fitted in thousands, so the features have comparable scales.
 _CONTEXT_UNIT = 1024.0
+# What a tree smaller than the full one is assumed to keep of the acceptance the per-depth rates
+# promise until it has been verified once (its fewer nodes per depth catch fewer target tokens).
+UNTRIED_SCALE = 0.5
 
 
 def size_buckets(tree_size: int) -> list[int]:
@@ -167,12 +171,13 @@ class TreeSizePolicy:
         self.costs = StepCostModel()
         self.acceptance = AcceptanceModel(max(draft_depth, 1))
         self.explore_every = explore_every
-        # Correction per bucket: accepted tokens seen over those predicted (small trees of a wide
-        # draft accept less per depth than the rates, measured on full trees, suggest).
-        self.seen = {n: 1.0 for n in self.buckets}
-        self.predicted = {n: 1.0 for n in self.buckets}
-        self.tried: dict[tuple[int, int, int], int] = {}  # (nodes, batch regime, context regime) -> step
+        # Correction per bucket: accepted tokens seen over those predicted, decayed sums (a small tree
+        # of a wide draft accepts less per depth than the rates, mostly measured on full trees, say).
+        self.seen: dict[int, float] = {}
+        self.predicted: dict[int, float] = {}
+        self.tried: set[tuple[int, int, int]] = set()  # (nodes, batch regime, context regime)
         self.step = 0
+        self.explored_at, self.explore_up = 0, False
         self.stats = AdaptiveStats()
 
     def depth(self, nodes: int) -> int:
@@ -189,8 +194,12 @@ class TreeSizePolicy:
         depth = self.depth(nodes)
         if depth == 0:
             return float(len(rids))
-        # Clamped: a ratio of few samples must not promise more than every level accepted.
-        scale = min(2.0, self.seen[nodes] / self.predicted[nodes])
+        # Clamped: a ratio of few samples must not promise more than every level accepted. A smaller
+        # tree never verified yet is assumed to keep half of what the rates promise.
+        if nodes in self.predicted:
+            scale = min(2.0, self.seen[nodes] / self.predicted[nodes])
+        else:
+            scale = 1.0 if nodes == self.tree_size else UNTRIED_SCALE
         return sum(1.0 + min(depth, scale * self.acceptance.expected(rid, depth)) for rid in rids)
 
     def choose(self, rids: list[int], context_tokens: int) -> int:
@@ -207,19 +216,21 @@ class TreeSizePolicy:
         rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
                 for n in candidates}
         best = max(rate, key=rate.get)
-        # Re-measure the best's neighbours and the plain step (the fallback that must never be
-        # misjudged) when this load regime has not seen them lately.
+        # Measure the plain step (the fallback that must never be misjudged) once in every load
+        # regime, and one neighbour of the best, below then above, every explore_every steps.
         regime = self._regime(batch, context_tokens)
-        i = candidates.index(best)
-        for n in dict.fromkeys([candidates[0], *candidates[max(i - 1, 0): i + 2]]):
-            last = self.tried.get((n, *regime))
-            if n != best and (last is None or self.step - last >= self.explore_every):
-                return self._chosen(n, regime)
+        if best != 1 and (1, *regime) not in self.tried:
+            return self._chosen(1, regime)
+        if self.step - self.explored_at >= self.explore_every:
+            self.explored_at, self.explore_up = self.step, not self.explore_up
+            i = candidates.index(best) + (1 if self.explore_up else -1)
+            if 0 <= i < len(candidates):
+                return self._chosen(candidates[i], regime)
         return self._chosen(best, regime)
 
     def _chosen(self, nodes: int, regime: tuple[int, int] | None = None) -> int:
         if regime is not None:
-            self.tried[(nodes, *regime)] = self.step
+            self.tried.add((nodes, *regime))
         self.stats.steps_by_size[nodes] = self.stats.steps_by_size.get(nodes, 0) + 1
         self.stats.last_size = nodes
         return nodes
@@ -231,8 +242,8 @@ class TreeSizePolicy:
         depth = self.depth(nodes)
         if depth:
             predicted = sum(self.acceptance.expected(rid, depth) for rid in rids)
-            self.seen[nodes] = 0.9 * self.seen[nodes] + 0.1 * sum(accepted)
-            self.predicted[nodes] = 0.9 * self.predicted[nodes] + 0.1 * max(predicted, 1e-3)
+            self.seen[nodes] = 0.9 * self.seen.get(nodes, 0.0) + sum(accepted)
+            self.predicted[nodes] = 0.9 * self.predicted.get(nodes, 0.0) + max(predicted, 1e-3)
             for rid, a in zip(rids, accepted):
                 self.acceptance.observe(rid, depth, a)
         if self.adaptive and seconds is not None:
