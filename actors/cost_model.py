@@ -11,9 +11,9 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step). The user's `verify_budget` and `disable_by_batch_size` cap
-  it. A neighbour of the best is re-measured every `explore_every` steps, and the plain step once
-  whenever the batch size or the context moves to a regime where it was not measured, so the
-  choice follows the load at a cost of a step in ~64.
+  it. Rival sizes are re-measured the more often the closer they are predicted to the best (every
+  `explore_every` steps when as good), and the plain step once whenever the batch size or the
+  context moves to a regime where it was not measured, so the choice follows the load.
 
 Plain classes; no timing is taken here (the scheduler reports each step's wall time).
 """
@@ -28,8 +28,11 @@ import torch
 # Context tokens are fitted in thousands, so the features have comparable scales.
 _CONTEXT_UNIT = 1024.0
 # What a tree smaller than the full one is assumed to keep of the acceptance the per-depth rates
-# promise until it has been verified once (its fewer nodes per depth catch fewer target tokens).
-UNTRIED_SCALE = 0.5
+# promise before it is measured (its fewer nodes per depth catch fewer target tokens), and how many
+# promised tokens that assumption weighs against measured ones (a step of one request promises ~2,
+# so one unlucky step cannot rule a tree size out for good; a step of 64 outweighs it).
+UNTRIED_SCALE = 0.75
+PRIOR_TOKENS = 4.0
 
 
 def size_buckets(tree_size: int) -> list[int]:
@@ -164,7 +167,7 @@ class TreeSizePolicy:
 
     def __init__(self, tree_size: int, draft_depth: int, adaptive: bool = True,
                  verify_budget: int | None = None, disable_by_batch_size: int | None = None,
-                 explore_every: int = 64):
+                 explore_every: int = 16):
         self.tree_size, self.draft_depth, self.adaptive = tree_size, draft_depth, adaptive
         self.verify_budget, self.disable_by_batch_size = verify_budget, disable_by_batch_size
         self.buckets = size_buckets(tree_size)
@@ -177,7 +180,7 @@ class TreeSizePolicy:
         self.predicted: dict[int, float] = {}
         self.tried: set[tuple[int, int, int]] = set()  # (nodes, batch regime, context regime)
         self.step = 0
-        self.explored_at, self.explore_up = 0, False
+        self.explored: dict[int, int] = {}  # tree size -> step it was last re-measured at
         self.stats = AdaptiveStats()
 
     def depth(self, nodes: int) -> int:
@@ -194,12 +197,9 @@ class TreeSizePolicy:
         depth = self.depth(nodes)
         if depth == 0:
             return float(len(rids))
-        # Clamped: a ratio of few samples must not promise more than every level accepted. A smaller
-        # tree never verified yet is assumed to keep half of what the rates promise.
-        if nodes in self.predicted:
-            scale = min(2.0, self.seen[nodes] / self.predicted[nodes])
-        else:
-            scale = 1.0 if nodes == self.tree_size else UNTRIED_SCALE
+        # Clamped: a ratio of few samples must not promise more than every level accepted.
+        prior = PRIOR_TOKENS * (1.0 if nodes == self.tree_size else UNTRIED_SCALE)
+        scale = min(2.0, (self.seen.get(nodes, 0.0) + prior) / (self.predicted.get(nodes, 0.0) + PRIOR_TOKENS))
         return sum(1.0 + min(depth, scale * self.acceptance.expected(rid, depth)) for rid in rids)
 
     def choose(self, rids: list[int], context_tokens: int) -> int:
@@ -221,11 +221,17 @@ class TreeSizePolicy:
         regime = self._regime(batch, context_tokens)
         if best != 1 and (1, *regime) not in self.tried:
             return self._chosen(1, regime)
-        if self.step - self.explored_at >= self.explore_every:
-            self.explored_at, self.explore_up = self.step, not self.explore_up
-            i = candidates.index(best) + (1 if self.explore_up else -1)
-            if 0 <= i < len(candidates):
-                return self._chosen(candidates[i], regime)
+        # Re-measure rivals (the best's neighbours and the full tree: the payoff over sizes can be
+        # flat in between) the more often the closer they are predicted to the best, so measuring
+        # costs ~1% of throughput per rival whatever the load; one predicted at half the best's
+        # rate or less is not worth a step.
+        i = candidates.index(best)
+        rivals = {candidates[j] for j in (i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
+        for rival in sorted(rivals, key=rate.get, reverse=True):
+            ratio = rate[rival] / rate[best]
+            if ratio > 0.5 and self.step - self.explored.get(rival, -10**9) >= self.explore_every / (2 * ratio - 1):
+                self.explored[rival] = self.step
+                return self._chosen(rival, regime)
         return self._chosen(best, regime)
 
     def _chosen(self, nodes: int, regime: tuple[int, int] | None = None) -> int:
