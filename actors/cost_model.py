@@ -216,8 +216,7 @@ class TreeSizePolicy:
         rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
                 for n in candidates}
         best = max(rate, key=rate.get)
-        # Measure the plain step (the fallback that must never be misjudged) once in every load
-        # regime, and one neighbour of the best, below then above, every explore_every steps.
+        # Measure the plain step (the fallback that must never be misjudged) once in every load regime.
         regime = self._regime(batch, context_tokens)
         if best != 1 and (1, *regime) not in self.tried:
             return self._chosen(1, regime)
