@@ -5,8 +5,9 @@
 
 DraftRunner wraps a draft model (EAGLE, EAGLE3, STANDALONE) and its KV pool, indexed by
 the same slot ids as the target's. NgramDrafter (prompt lookup) and NoDrafter (NONE) have no
-model; BatchLimits wraps either kind to draft smaller trees in larger batches. Within a step
-every request's tree has the same node count (at most `tree_size`), so batches stay rectangular.
+model. The scheduler chooses each decode step's tree size (`actors.cost_model`) and says it
+through the width of `meta.verify_slots`: every request's tree has that many nodes at most, so
+batches stay rectangular; 1 is a plain decode step (the root alone, nothing drafted).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from models.attention import AttentionMetadata
 from models.build import ModelSource, build_draft
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
-from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
+from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput, placeholder_draft_input
 from spec.shapes import get_draft_input_hidden_state_spec, get_draft_recurrent_hidden_state_spec
 from spec.tree import ancestor_mask, chain_parents, depths
 
@@ -40,6 +41,19 @@ def _verify_input(root: torch.Tensor, draft: torch.Tensor, parents: torch.Tensor
     )
 
 
+def step_nodes(meta: BatchMeta, tree_size: int) -> int:
+    """Nodes per request this decode step verifies, root included: the width of its verify slots
+    (the scheduler's choice), never more than the drafter's tree."""
+    return max(1, min(tree_size, int(meta.verify_slots.shape[1])))
+
+
+def root_only(meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
+    """A plain decode step's tree: each request's root alone."""
+    batch = draft_input.num_requests
+    return _verify_input(draft_input.verified_id, torch.zeros((batch, 0), dtype=torch.long),
+                         chain_parents(batch, 1), meta.seq_lens)
+
+
 class _ModelFreeDrafter:
     """Shared by NGRAM and NONE: nothing to extend, the next root is the bonus token."""
 
@@ -56,11 +70,13 @@ class _ModelFreeDrafter:
         empty = torch.zeros((ext.num_requests, 0))
         return DraftInput(ext.next_tokens[last], None, empty, empty.long())
 
-    def propose(self, meta: BatchMeta, draft_input: DraftInput, max_nodes: int | None = None) -> VerifyInput:
+    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
         batch = draft_input.num_requests
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
-        nodes = max_nodes or self.tree_size  # BatchLimits keeps max_nodes within tree_size
+        nodes = step_nodes(meta, self.tree_size)
+        if nodes == 1:
+            return root_only(meta, draft_input)
         draft = self._draft_tokens(meta, draft_input, nodes - 1)  # (B, n-1), n <= nodes
         return _verify_input(draft_input.verified_id, draft, chain_parents(batch, draft.shape[1] + 1), meta.seq_lens)
 
@@ -73,37 +89,6 @@ class NoDrafter(_ModelFreeDrafter):
 
     def __init__(self):
         super().__init__(tree_size=1)
-
-
-class BatchLimits:
-    """Smaller trees for larger batches. A step verifies batch x nodes rows, and once the batch
-    fills the hardware extra rows cost more than the drafts they accept save. Above
-    `disable_by_batch_size` requests every tree is its root alone (plain decoding); with
-    `verify_budget`, each request keeps its best budget // batch nodes (draft nodes are chosen by
-    path probability, so a cut tree keeps its likeliest part). The drafter still extends over
-    every committed token, so a model draft's KV stays current as trees shrink and grow back."""
-
-    def __init__(self, drafter, disable_by_batch_size: int | None, verify_budget: int | None):
-        self.drafter = drafter
-        self.disable_by_batch_size, self.verify_budget = disable_by_batch_size, verify_budget
-        self.plain = NoDrafter()
-
-    def nodes(self, batch: int) -> int:
-        """Tree nodes per request, root included, in a decode step of `batch` requests."""
-        if self.disable_by_batch_size is not None and batch > self.disable_by_batch_size:
-            return 1
-        if self.verify_budget is not None:
-            return max(1, min(self.drafter.tree_size, self.verify_budget // max(batch, 1)))
-        return self.drafter.tree_size
-
-    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
-        nodes = self.nodes(draft_input.num_requests)
-        if nodes == 1 and draft_input.num_requests:
-            return self.plain.propose(meta, draft_input)
-        return self.drafter.propose(meta, draft_input, nodes)
-
-    def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
-        return self.drafter.extend(meta, ext)
 
 
 def prompt_lookup(history: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -213,6 +198,7 @@ class DraftRunner:
         self.input_spec = get_draft_input_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.shifted = self.algorithm.is_eagle
+        self._pending: dict[int, tuple[int, int, int, torch.Tensor | None]] = {}  # see _defer
 
     def _forward(self, tokens, hidden, positions, prefix, new_slots, from_target):
         attn = AttentionMetadata.build(prefix, new_slots, positions, [None] * len(new_slots), self.device)
@@ -221,15 +207,23 @@ class DraftRunner:
 
     @torch.inference_mode()
     def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
-        """Write draft KV for the committed tokens; return the next DraftInput per request."""
-        topk_width = self.topk if self.shifted else 0
+        """Write draft KV for the committed tokens; return the next DraftInput per request. After a
+        plain decode step (one verify node) the tokens wait instead (`_defer`)."""
         if ext.num_requests == 0:
-            return DraftInput.create_idle(self.hidden_spec, topk_width)
+            return DraftInput.create_idle(self.hidden_spec, self.topk if self.shifted else 0)
         if self.input_spec is not None:
             self.input_spec.check(ext.hidden_states, "draft.extend input")
-        lens = ext.extend_lens.tolist()
-        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())]
-        new_slots = list(torch.split(ext.slots, lens))
+        if not meta.is_prefill and step_nodes(meta, self.tree_size) == 1:
+            return self._defer(meta, ext)
+        if self._pending:  # a reused slot's leftover (its request ended while waiting)
+            for slot in ext.slots.tolist():
+                self._pending.pop(slot, None)
+        return self._write([meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())], ext)
+
+    def _write(self, prefix: list[torch.Tensor], ext: DraftExtendInput) -> DraftInput:
+        """One draft forward over `ext`'s tokens (each request's after its `prefix` slots): their KV,
+        and each request's next DraftInput from its last row."""
+        new_slots = list(torch.split(ext.slots, ext.extend_lens.tolist()))
         tokens = ext.next_tokens if self.shifted else ext.tokens
         recurrent, head = self._forward(tokens, ext.hidden_states, ext.positions, prefix, new_slots, True)
         last = _last_rows(ext)
@@ -242,17 +236,95 @@ class DraftRunner:
         self.hidden_spec.check(out.hidden_states, "draft.extend output")
         return out
 
+    # ---- staying ready cheaply: plain steps defer the draft's extend ----------------------------
+    # A plain step drafts nothing, and the next one may not either (the scheduler chose plain
+    # decoding because drafts did not pay): extending the draft there would cost a draft forward
+    # per token that no tree may use. Each committed token's extend input (token, next token,
+    # position, target hidden row) waits here under its KV slot; they are always the tail of their
+    # request's committed slots. When the request is next drafted for, one prefill-shaped forward
+    # catches its draft KV up over all of them (`_catch_up`); a request with `max_pending` waiting
+    # tokens is caught up at once, which bounds the memory they hold.
+    max_pending = 128
+
+    def _pending_tail(self, slots: torch.Tensor, seq_len: int) -> list[int]:
+        """The waiting tail of a request's committed `slots` (its first `seq_len`)."""
+        if not self._pending:
+            return []
+        tail = slots[max(0, seq_len - self.max_pending - 1): seq_len].tolist()
+        waiting = 0
+        for slot in reversed(tail):
+            if slot not in self._pending:
+                break
+            waiting += 1
+        return tail[len(tail) - waiting:]
+
+    def _catch_up(self, prefix: list[torch.Tensor], waiting: list[list[int]]) -> DraftInput:
+        """Extend the draft over each request's waiting tokens (`waiting[i]` after `prefix[i]`) in
+        one forward; returns those requests' DraftInput rows."""
+        entries = [self._pending.pop(slot) for slots in waiting for slot in slots]
+        hidden = None if self.input_spec is None else torch.stack([e[3] for e in entries])
+        long = lambda i: torch.tensor([e[i] for e in entries], dtype=torch.long)  # noqa: E731
+        ext = DraftExtendInput(
+            tokens=long(0), next_tokens=long(1), positions=long(2),
+            slots=torch.tensor([slot for slots in waiting for slot in slots], dtype=torch.long),
+            hidden_states=hidden, extend_lens=torch.tensor([len(w) for w in waiting], dtype=torch.long),
+            accept_lens=torch.zeros(len(waiting), dtype=torch.long),
+        )
+        return self._write(prefix, ext)
+
+    def _caught_up(self, meta: BatchMeta, draft_input: DraftInput) -> DraftInput:
+        """`draft_input` with every request that has waiting tokens caught up (its placeholder row,
+        see `_defer`, replaced by the real one)."""
+        rows, prefix, waiting = [], [], []
+        for b, seq_len in enumerate(meta.seq_lens.tolist()):
+            tail = self._pending_tail(meta.kv_slots[b], seq_len)
+            if tail:
+                rows.append(b)
+                prefix.append(meta.kv_slots[b, : seq_len - len(tail)])
+                waiting.append(tail)
+        if not rows:
+            return draft_input
+        return _with_rows(draft_input, rows, self._catch_up(prefix, waiting))
+
+    def _defer(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
+        """A plain step's extend: keep the committed tokens' inputs for a later catch-up; returns
+        placeholder rows (the verified ids only) for requests still waiting."""
+        slots, tokens, nxt, pos = (t.tolist() for t in (ext.slots, ext.tokens, ext.next_tokens, ext.positions))
+        hidden = ext.hidden_states
+        for i, slot in enumerate(slots):
+            self._pending[slot] = (tokens[i], nxt[i], pos[i], None if hidden is None else hidden[i].clone())
+        seq_lens = meta.seq_lens.tolist()
+        new = torch.split(ext.slots, ext.extend_lens.tolist())
+        tails = [self._pending_tail(meta.kv_slots[b], s) + new[b].tolist() for b, s in enumerate(seq_lens)]
+        if len(self._pending) > sum(map(len, tails)) + 8 * self.max_pending:
+            # Leftovers of requests that ended while waiting (a request outside this step would
+            # lose its wait too: its draft then proposes from stale KV, which only costs acceptance).
+            keep = {slot for tail in tails for slot in tail}
+            self._pending = {k: v for k, v in self._pending.items() if k in keep}
+        out = placeholder_draft_input(ext.next_tokens[_last_rows(ext)], self.hidden_spec,
+                                      self.topk if self.shifted else 0)
+        full = [b for b, tail in enumerate(tails) if len(tail) >= self.max_pending]
+        if not full:
+            return out
+        prefix = [meta.kv_slots[b, : seq_lens[b] - (len(tails[b]) - len(new[b]))] for b in full]
+        return _with_rows(out, full, self._catch_up(prefix, [tails[b] for b in full]))
+
     @torch.inference_mode()
-    def propose(self, meta: BatchMeta, draft_input: DraftInput, max_nodes: int | None = None) -> VerifyInput:
+    def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
         """EAGLE-2 style dynamic tree: expand the `topk` best beams for `num_steps` levels,
         then keep the `tree_size - 1` candidates with the highest path probability; with
-        `ngram_branch`, a prompt-lookup match is kept first (`with_branches`). `max_nodes`
-        (BatchLimits) cuts the tree to fewer nodes, and its depth with it; `min_path_prob` cuts it
-        to the candidates at least that likely (`confident_nodes`) and stops the levels there."""
+        `ngram_branch`, a prompt-lookup match is kept first (`with_branches`). The step's verify
+        width (`step_nodes`, the scheduler's choice) cuts the tree to fewer nodes, and its depth
+        with it (1: the root alone, no draft forward); `min_path_prob` cuts it to the candidates
+        at least that likely (`confident_nodes`) and stops the levels there. Requests whose draft
+        waits behind plain steps are caught up first (`_caught_up`)."""
         batch, k = draft_input.num_requests, self.topk
         if meta.is_prefill or batch == 0:
             return VerifyInput.create_idle(self.tree_size)
-        nodes = max_nodes or self.tree_size  # BatchLimits keeps max_nodes within tree_size
+        nodes = step_nodes(meta, self.tree_size)
+        if nodes == 1:
+            return root_only(meta, draft_input)
+        draft_input = self._caught_up(meta, draft_input)
         if self.hidden_spec is not None:
             self.hidden_spec.check(draft_input.hidden_states, "draft.propose input")
         seq_lens = meta.seq_lens
@@ -312,6 +384,17 @@ class DraftRunner:
         if self.min_path_prob:
             nodes = min(nodes, confident_nodes(pool[0], self.min_path_prob))
         return select_tree(draft_input.verified_id, seq_lens, *pool, nodes)
+
+
+def _with_rows(base: DraftInput, rows: list[int], new: DraftInput) -> DraftInput:
+    """`base` with its `rows` replaced by `new`'s rows (in order)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    out = DraftInput(*(None if t is None else t.clone() for t in
+                       (base.verified_id, base.hidden_states, base.topk_p, base.topk_index)))
+    for name in ("verified_id", "hidden_states", "topk_p", "topk_index"):
+        if getattr(out, name) is not None:
+            getattr(out, name)[index] = getattr(new, name).to(getattr(out, name).dtype)
+    return out
 
 
 def confident_nodes(scores: torch.Tensor, min_path_prob: float) -> int:

@@ -48,6 +48,7 @@ class RequestOutput:
     num_output_tokens: int
     num_verify_steps: int
     accept_lens: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    draft_depths: list[int] = field(default_factory=list)  # draft levels verified per decode step (0: plain)
     error: str | None = None
     # Per output token where asked (SamplingParams.logprobs): (raw logprob, [(top id, logprob), ...]).
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
@@ -79,6 +80,7 @@ class Request:
         self.error: str | None = None
         self.num_verify_steps = 0
         self.accept_lens: list[int] = []
+        self.draft_depths: list[int] = []  # per decode step: draft levels its tree could reach (0: plain)
         self.reserved = 0  # KV slots reserved for this request's lifetime
         self.stop_ids = params.stop_ids(eos_ids)  # ids that end the output (EOS unless ignored, stop_token_ids)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
@@ -147,6 +149,6 @@ class Request:
             request_id=self.rid, token_ids=list(self.output_ids), text=self.text,
             finish_reason=self.finish_reason, num_prompt_tokens=len(self.prompt_ids),
             num_output_tokens=len(self.output_ids), num_verify_steps=self.num_verify_steps,
-            accept_lens=list(self.accept_lens), error=self.error,
+            accept_lens=list(self.accept_lens), draft_depths=list(self.draft_depths), error=self.error,
             logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
         )

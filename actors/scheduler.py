@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from actors.cost_model import TreeSizePolicy
 from actors.request import IncrementalDetokenizer, Request
 from actors.slots import SlotAllocator
 from spec.algorithm import SpecAlgorithm
@@ -47,7 +48,7 @@ class StepExecutor(Protocol):
 @dataclass(frozen=True)
 class SchedulerConfig:
     algorithm: SpecAlgorithm
-    tree_size: int  # verify nodes per request and step (root included)
+    tree_size: int  # most verify nodes per request and step (root included)
     scratch_size: int  # draft scratch slots per request and step
     topk_width: int  # columns of DraftInput.topk_* (0 where the draft has not seen the root)
     hidden_spec: HiddenStateSpec | None  # the draft's recurrent hidden state
@@ -57,6 +58,12 @@ class SchedulerConfig:
     max_model_len: int
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
+    draft_depth: int = 0  # draft levels of a full tree (num_steps; 0 without speculation)
+    # Each decode step's tree size: chosen from measured costs and acceptance (actors.cost_model),
+    # or (False) the full tree; verify_budget and disable_by_batch_size cap it either way.
+    adaptive: bool = True
+    verify_budget: int | None = None
+    disable_by_batch_size: int | None = None
 
 
 class Scheduler:
@@ -75,6 +82,8 @@ class Scheduler:
         self._next_rid = 0
         self._rng = random.SystemRandom()
         self.vocab_size = config.vocab_size or len(tokenizer)
+        self.policy = TreeSizePolicy(config.tree_size, config.draft_depth, config.adaptive,
+                                     config.verify_budget, config.disable_by_batch_size)
 
     def _idle_draft_input(self) -> DraftInput:
         return DraftInput.create_idle(self.config.hidden_spec, self.config.topk_width)
@@ -145,12 +154,14 @@ class Scheduler:
         if plan.kind == "idle":
             return self.take_failed()
         try:
+            start = time.perf_counter()
             ext, draft_input = self.executor.execute(plan.meta, plan.draft_input)
+            seconds = time.perf_counter() - start
         except Exception:  # noqa: BLE001 - find the request that broke it
             log.warning("step failed; rerunning its requests one by one", exc_info=True)
             self.release_uncommitted()
             return self.isolate(plan.requests, lambda solo: self.executor.execute(solo.meta, solo.draft_input))
-        return self.commit(plan, ext, draft_input) + self.take_failed()
+        return self.commit(plan, ext, draft_input, seconds) + self.take_failed()
 
     def take_failed(self) -> list[Request]:
         """Requests failed alone since the last call (to report their end)."""
@@ -239,9 +250,11 @@ class Scheduler:
         self._retire(rows)
         self._failed.append(request)
 
-    def commit(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput) -> list[Request]:
+    def commit(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput,
+               seconds: float | None = None) -> list[Request]:
         """Apply a step's results: append tokens, keep accepted KV slots, free the rest. A
-        request whose tokens raise ends with an error alone (retired with the finished)."""
+        request whose tokens raise ends with an error alone (retired with the finished).
+        `seconds`: the step's wall time (the tree-size policy learns from decode steps)."""
         self._inflight = None
         if plan.kind == "prefill":
             for request, tokens, logprobs in zip(plan.requests, ext.new_token_ids(), ext.new_logprobs()):
@@ -266,6 +279,7 @@ class Scheduler:
                 request.num_verify_steps += 1
                 request.accept_lens.append(len(tokens) - 1)
                 self._append(request, tokens, logprobs)
+            self._observe_decode(plan, ext, seconds)
         self._retire_finished()
         return list(plan.requests)
 
@@ -347,9 +361,12 @@ class Scheduler:
 
     def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":
         """Decode of the running batch (or of `rows` of it); slots are allocated last, so a
-        request whose inputs cannot be built leaks nothing."""
+        request whose inputs cannot be built leaks nothing. The verify slots' width is the step's
+        tree size (the policy's choice), the scratch slots only there when it drafts."""
         requests = list(self.running) if rows is None else [self.running[i] for i in rows]
-        batch, n, s = len(requests), self.config.tree_size, self.config.scratch_size
+        batch = len(requests)
+        n = self.policy.choose([r.rid for r in requests], sum(r.seq_len for r in requests))
+        s = self.config.scratch_size if n > 1 else 0
         # Prompt lookup reads the tokens; so do the penalties (verification counts them per node).
         needs_history = self.config.needs_history or any(r.params.uses_history for r in requests)
         history = (
@@ -374,6 +391,15 @@ class Scheduler:
         meta = BatchMeta(scratch_slots=scratch, verify_slots=verify, **fields)
         draft_input = self.draft_input if rows is None else self.draft_input.filter(rows)
         return StepPlan("decode", requests, meta, draft_input, rows)
+
+    def _observe_decode(self, plan: "StepPlan", ext: DraftExtendInput, seconds: float | None) -> None:
+        """Tell the tree-size policy what a decode step cost and what each request accepted."""
+        nodes = int(plan.meta.verify_slots.shape[1])
+        depth = self.policy.depth(nodes)
+        for request in plan.requests:
+            request.draft_depths.append(depth)
+        self.policy.observe([r.rid for r in plan.requests], int(plan.meta.seq_lens.sum()), nodes, seconds,
+                            ext.accept_lens.tolist())
 
     def plan_resync(self) -> "StepPlan":
         """Re-prefill every running request into fresh runners (after an actor restart):
@@ -429,6 +455,7 @@ class Scheduler:
             return
         for i in rows:
             request = self.running[i]
+            self.policy.forget(request.rid)
             self.slots.free(request.slots)
             request.slots = []
             self.reserved -= request.reserved
@@ -448,6 +475,16 @@ class DataParallelScheduler:
         self._next_rid = 0
         self.execute_s = 0.0  # wall time spent inside executor.execute_all (benchmarks)
         self.executed_steps = 0
+
+    def tree_size_stats(self) -> dict:
+        """Decode steps per chosen tree size (summed over ranks) and each rank's decayed acceptance
+        rate per draft depth (the adaptive policy's view, for /metrics)."""
+        steps: dict[int, int] = {}
+        for rank in self.ranks:
+            for size, n in rank.policy.stats.steps_by_size.items():
+                steps[size] = steps.get(size, 0) + n
+        return {"steps_by_tree_size": steps,
+                "acceptance_by_depth": [rank.policy.stats.acceptance_by_depth for rank in self.ranks]}
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
         rank = min(self.ranks, key=lambda r: (len(r.running) + len(r.waiting), r.reserved))
@@ -498,11 +535,12 @@ class DataParallelScheduler:
             with lock:
                 return self.isolate(is_request_error)
         with lock:
-            self.execute_s += time.perf_counter() - start
             self.executed_steps += 1
             progressed: list[Request] = []
+            seconds = time.perf_counter() - start
+            self.execute_s += seconds
             for rank, plan, (ext, draft_input) in zip(self.ranks, plans, results):
-                progressed += rank.commit(plan, ext, draft_input)
+                progressed += rank.commit(plan, ext, draft_input, seconds)
             return progressed + self._take_failed()
 
     def _take_failed(self) -> list[Request]:

@@ -1,16 +1,23 @@
-"""Throughput against batch size: where speculation stops paying, and what the batch limits
-(`disable_by_batch_size`, `verify_budget`) give back.
+"""Throughput against batch size: where speculation stops paying, and whether adaptive speculation
+(each step's tree size chosen from measured costs, `actors.cost_model`) keeps up with plain decoding
+at every load while keeping the fixed constants' gain at small batches.
 
-    python -m bench.concurrency [--levels 1,2,4,8,16,32] [--max-tokens 64]
-        [--configs none,ngram,eagle3,eagle3-tree-ngram,eagle3-tree-ngram@4,eagle3-tree-ngram/32] [--plot]
+    python -m bench.concurrency [--levels 1,2,4,8,16,32,64] [--max-tokens 64] [--prompts short,long]
+        [--dtypes float32,bfloat16] [--configs serve,serve+fixed/16] [--plot]
 
-Each level submits that many held-out self-written prompts at once (`train.data.EVAL_SEED`,
-never Spec-Bench, so a cutoff picked from this run is not tuned on the evaluation set), greedy,
-`ignore_eos` so the batch stays full for all `--max-tokens` steps. Configs are those of
-`bench.configs`; `NAME/B@N` is NAME with `verify_budget=B` and `disable_by_batch_size=N`
-(either part optional). Every config is loaded first and they take turns at each level, so load
-from other processes hits them alike. Output tokens must equal `none`'s (greedy speculation is
-lossless); differing requests are counted.
+Each level submits that many prompts at once, greedy, `ignore_eos` so the batch stays full for all
+`--max-tokens` steps. Prompts: `short`, held-out self-written ones (`train.data.EVAL_SEED`, never
+Spec-Bench, so a cutoff picked from this run is not tuned on the evaluation set); `long`, the
+Spec-Bench summarization and RAG questions (long contexts, where verify rows cost the most;
+`--questions`). Configs are those of `bench.configs`: `NAME+fixed/B@N` is NAME with full trees every
+step (no adaptive choice), `verify_budget=B` and `disable_by_batch_size=N` (each part optional);
+`serve` is the `make serve` config, `serve+fixed/16` what it ran before adaptive speculation. Every
+config is loaded first in every dtype, and at each level they take turns (every prompt set, dtype
+and config, `--repeats` rounds), so load from other processes hits them alike: compare ratios
+within one run. Output tokens must equal `none`'s in the same dtype (greedy speculation is
+lossless); differing requests are counted. Results are grouped "PROMPTS-DTYPE"; each entry also
+holds the decode steps per tree size the engine chose (`tree_sizes`). A quick subset:
+`--levels 1,16 --prompts short --dtypes float32 --max-tokens 32 --repeats 1`.
 """
 
 from __future__ import annotations
@@ -29,8 +36,9 @@ from types import SimpleNamespace
 import torch
 
 from bench.configs import REFERENCE, add_engine_args, kv_slots_for, parse_config
+from bench.spec_bench import DEFAULT_QUESTIONS, load_questions, messages
 from graphs import SamplingParams, build_graph
-from graphs.engine import Engine
+from graphs.engine import Engine, LocalEngine
 from models.build import ModelSource, load_tokenizer
 from train.data import EVAL_SEED, build_prompt_set
 
@@ -39,41 +47,63 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
 
 def run_level(engine, conversations: list[list[dict]], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = tree_sizes(engine)
     start = time.perf_counter()
     outs = engine.chat(conversations, params)
     wall = time.perf_counter() - start
     for out in outs:
         if out.error:
             raise RuntimeError(f"request failed: {out.error}")
+    after = tree_sizes(engine)
     return {"wall_s": wall, "tokens": sum(o.num_output_tokens for o in outs),
-            "steps": sum(o.num_verify_steps for o in outs), "token_ids": [list(o.token_ids) for o in outs]}
+            "steps": sum(o.num_verify_steps for o in outs), "token_ids": [list(o.token_ids) for o in outs],
+            "tree_sizes": {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}}
 
 
-def measure(configs: dict, levels: list[int], conversations: list[list[dict]], max_tokens: int,
+def tree_sizes(engine) -> dict[int, int]:
+    """Decode steps so far per tree size the engine chose (summed over ranks)."""
+    if isinstance(engine, LocalEngine):
+        return dict(engine.scheduler.policy.stats.steps_by_size)
+    import ray
+
+    return {int(k): n for k, n in ray.get(engine.scheduler.stats.remote())["steps_by_tree_size"].items()}
+
+
+def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
             repeats: int) -> dict:
-    """{config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches}}}; each level
-    runs `repeats` rounds of every config in turn, and tokens/s is total tokens over total wall time."""
+    """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
+    tree_sizes}}}}. `configs`: {(dtype, name): EngineConfig}. At each level every prompt set, dtype and
+    config take turns for `repeats` rounds; tokens/s is total tokens over total wall time, speedup is
+    over `none` in the same dtype and prompts."""
     engines = {}
     try:
-        for name, cfg in configs.items():
-            engines[name] = build_graph(cfg)
-            engines[name].chat(conversations[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm up
-        results: dict[str, dict] = {name: {} for name in configs}
+        for key, cfg in configs.items():
+            engines[key] = build_graph(cfg)
+            engines[key].chat(next(iter(prompt_sets.values()))[:1], SamplingParams(max_tokens=4, temperature=0.0))
+        results: dict[str, dict] = {}
         for level in levels:
-            runs = {name: [] for name in engines}
+            runs = {(kind, *key): [] for kind in prompt_sets for key in engines}
             for _ in range(repeats):
-                for name, engine in engines.items():
-                    runs[name].append(run_level(engine, conversations[:level], max_tokens))
-            wall = {name: sum(r["wall_s"] for r in rs) for name, rs in runs.items()}
-            tps = {name: sum(r["tokens"] for r in rs) / wall[name] for name, rs in runs.items()}
-            reference = runs[REFERENCE][0]["token_ids"]
-            for name, rs in runs.items():
-                entry = {"tokens_per_s": tps[name], "wall_s": wall[name], "speedup": tps[name] / tps[REFERENCE],
+                for kind, conversations in prompt_sets.items():
+                    for key, engine in engines.items():
+                        runs[(kind, *key)].append(run_level(engine, conversations[:level], max_tokens))
+            for (kind, dtype, name), rs in runs.items():
+                reference = runs[(kind, dtype, REFERENCE)]
+                tps = lambda r: sum(x["tokens"] for x in r) / sum(x["wall_s"] for x in r)  # noqa: E731
+                sizes: dict[int, int] = {}
+                for r in rs:
+                    for k, n in r["tree_sizes"].items():
+                        sizes[k] = sizes.get(k, 0) + n
+                entry = {"tokens_per_s": tps(rs), "wall_s": sum(r["wall_s"] for r in rs),
+                         "speedup": tps(rs) / tps(reference),
                          "acceptance_length": sum(r["tokens"] for r in rs) / max(1, sum(r["steps"] for r in rs)),
-                         "mismatches": sum(a != b for r in rs for a, b in zip(r["token_ids"], reference))}
-                results[name][str(level)] = {k: round(v, 3) for k, v in entry.items()}
-                print(f"[concurrency] {level:3d} requests {name:24s} {entry['tokens_per_s']:8.2f} tok/s  "
-                      f"x{entry['speedup']:.2f}  accept {entry['acceptance_length']:.2f}", file=sys.stderr)
+                         "mismatches": sum(a != b for r in rs for a, b in zip(r["token_ids"], reference[0]["token_ids"]))}
+                group = results.setdefault(f"{kind}-{dtype}", {}).setdefault(name, {})
+                group[str(level)] = {**{k: round(v, 3) for k, v in entry.items()},
+                                     "tree_sizes": {str(k): n for k, n in sorted(sizes.items())}}
+                print(f"[concurrency] {level:3d} requests {kind}-{dtype} {name:24s} {entry['tokens_per_s']:8.2f} tok/s  "
+                      f"x{entry['speedup']:.2f}  accept {entry['acceptance_length']:.2f}  sizes {sizes}",
+                      file=sys.stderr)
         return results
     finally:
         for engine in engines.values():
@@ -87,20 +117,24 @@ def plot(result: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     levels = result["meta"]["levels"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, per_level in result["results"].items():
-        style = "--" if "@" in name or "/" in name else "-"
-        for ax, key in zip(axes, ("tokens_per_s", "speedup")):
-            ax.plot(levels, [per_level[str(n)][key] for n in levels], style, marker="o", label=name)
-    for ax, label in zip(axes, ("output tokens/s", f"speedup over '{REFERENCE}'")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(levels, [str(n) for n in levels])
-        ax.set_xlabel("concurrent requests")
-        ax.set_ylabel(label)
-        ax.legend(fontsize=8)
-    axes[1].axhline(1.0, color="grey", linewidth=0.8)
+    groups = list(result["results"])
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
+    for row, group in zip(axes, groups):
+        for name, per_level in result["results"][group].items():
+            style = "--" if "+fixed" in name or "/" in name or "@" in name else "-"
+            for ax, key in zip(row, ("tokens_per_s", "speedup")):
+                ax.plot(levels, [per_level[str(n)][key] for n in levels], style, marker="o", label=name)
+        for ax, label in zip(row, ("output tokens/s", f"speedup over '{REFERENCE}'")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(n) for n in levels])
+            ax.set_xlabel("concurrent requests")
+            ax.set_ylabel(label)
+            ax.set_title(group, fontsize=9)
+            ax.legend(fontsize=8)
+        row[1].axhline(1.0, color="grey", linewidth=0.8)
+        row[1].axhline(0.98, color="grey", linewidth=0.6, linestyle=":")
     meta = result["meta"]
-    fig.suptitle(f"{meta['model']}, {meta['backend']} backend, {meta['dtype']}, {meta['threads']} threads, "
+    fig.suptitle(f"{meta['model']}, {meta['backend']} backend, {meta['threads']} threads, "
                  f"{meta['max_tokens']} tokens per request")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -110,10 +144,14 @@ def plot(result: dict, path: Path) -> Path:
 
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="none,ngram,eagle3,eagle3-tree-ngram")
+    p.add_argument("--configs", default="serve,serve+fixed/16")
     add_engine_args(p, draft_eagle3="smollm2-135m-instruct-eagle3", draft_standalone="smollm2-135m-instruct-standalone",
                     standalone_steps=3, dtype="auto")
-    p.add_argument("--levels", default="1,2,4,8,16,32", help="concurrent requests, comma-separated")
+    p.add_argument("--levels", default="1,2,4,8,16,32,64", help="concurrent requests, comma-separated")
+    p.add_argument("--prompts", default="short,long", help="prompt sets, comma-separated: short, long")
+    p.add_argument("--questions", default=str(DEFAULT_QUESTIONS),
+                   help="Spec-Bench question.jsonl for the long prompts (its summarization and rag questions)")
+    p.add_argument("--dtypes", default=None, help="comma-separated dtypes, each config in each (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
     p.add_argument("--backend", default="local", choices=("local", "ray"),
@@ -124,7 +162,27 @@ def parse_args(argv: list[str] | None):
     args.levels = [int(x) for x in args.levels.split(",")]
     if min(args.levels) < 1 or args.max_tokens < 1 or args.repeats < 1:
         p.error("--levels, --max-tokens and --repeats must be positive")
+    args.prompts = [k.strip() for k in args.prompts.split(",") if k.strip()]
+    if not args.prompts or set(args.prompts) - set(PROMPT_SETS):
+        p.error(f"--prompts: comma-separated among {', '.join(PROMPT_SETS)}, got {','.join(args.prompts)!r}")
+    args.dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
     return args
+
+
+PROMPT_SETS = ("short", "long")
+LONG_CATEGORIES = ("summarization", "rag")
+
+
+def prompt_set(kind: str, count: int, questions: str) -> list[list[dict]]:
+    """`count` conversations of one user message each (repeating the set where it holds fewer)."""
+    if kind == "short":
+        conversations = [p["messages"] for p in build_prompt_set(count, EVAL_SEED)]
+    else:
+        by_cat = load_questions(questions, count)
+        conversations = [messages(q["prompt"]) for cat in LONG_CATEGORIES for q in by_cat.get(cat, [])]
+        if not conversations:
+            raise SystemExit(f"--questions: {questions} holds no {' or '.join(LONG_CATEGORIES)} questions")
+    return [conversations[i % len(conversations)] for i in range(count)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -132,14 +190,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = list(dict.fromkeys([REFERENCE] + [n.strip() for n in args.configs.split(",") if n.strip()]))
-    prompts = build_prompt_set(max(args.levels), EVAL_SEED)
-    conversations = [p["messages"] for p in prompts[: max(args.levels)]]
+    prompt_sets = {kind: prompt_set(kind, max(args.levels), args.questions) for kind in args.prompts}
     if args.kv_slots is None:  # every request of the largest level at once
         encoder = SimpleNamespace(tokenizer=load_tokenizer(ModelSource.resolve(args.model).folder))
-        ids = [Engine.encode_chat(encoder, c) for c in conversations]
+        ids = [Engine.encode_chat(encoder, c) for cs in prompt_sets.values() for c in cs]
         args.kv_slots = kv_slots_for(ids, max(args.levels), args.max_tokens)
-    configs = {name: dataclasses.replace(cfg, backend=args.backend)
-               for name, cfg in (parse_config(name, args) for name in names)}
+    configs = {}
+    for dtype in args.dtypes:
+        args.dtype = dtype
+        for name in names:
+            cfg = dataclasses.replace(parse_config(name, args)[1], backend=args.backend)
+            configs[(str(cfg.torch_dtype).removeprefix("torch."), name)] = cfg
     if args.backend == "ray":
         import ray
 
@@ -149,16 +210,18 @@ def main(argv: list[str] | None = None) -> dict:
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
         try:
-            results = measure(configs, args.levels, conversations, args.max_tokens, args.repeats)
+            results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats)
         finally:
             ray.shutdown()
     else:
-        results = measure(configs, args.levels, conversations, args.max_tokens, args.repeats)
+        results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats)
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
-                 "repeats": args.repeats,
-                 "dtype": str(next(iter(configs.values())).torch_dtype).removeprefix("torch."),
-                 "threads": torch.get_num_threads(), "torch": torch.__version__, "prompts": f"train.data eval seed {EVAL_SEED}",
+                 "repeats": args.repeats, "prompts": args.prompts,
+                 "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
+                 "threads": torch.get_num_threads(), "torch": torch.__version__,
+                 "prompt_sources": {"short": f"train.data eval seed {EVAL_SEED}",
+                                    "long": f"{Path(args.questions).name}: {', '.join(LONG_CATEGORIES)}"},
                  "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                  "command": "python -m bench.concurrency " + shlex.join(sys.argv[1:] if argv is None else argv)},
         "results": results,

@@ -1,8 +1,12 @@
 """The engine configs every benchmark names the same way (`none`, `ngram`, `eagle3`, `eagle3-tree`,
-`eagle3-tree-ngram`, `standalone`), their command-line options and the KV pool they need.
+`eagle3-tree-ngram`, `standalone`, and `serve`: what `make serve` runs, eagle3-tree-ngram with
+min_path_prob 0.1), their command-line options and the KV pool they need. Every config chooses
+its tree size per step (adaptive speculation) unless named with `+fixed`.
 
     NAME@P          (bench.spec_bench) a draft-model config with min_path_prob P
-    NAME/B@N        (bench.concurrency) with verify_budget=B and disable_by_batch_size=N
+    NAME+fixed/B@N  (bench.concurrency) the full tree every step (adaptive_speculation=False), with
+                    verify_budget=B and disable_by_batch_size=N (each part optional); `serve+fixed/16`
+                    is what `make serve` ran before adaptive speculation
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import re
 from graphs import EngineConfig
 from models.registry import DEFAULT_MODEL
 
-ENGINE_CONFIGS = ("none", "ngram", "eagle3", "eagle3-tree", "eagle3-tree-ngram", "standalone")
+ENGINE_CONFIGS = ("none", "ngram", "eagle3", "eagle3-tree", "eagle3-tree-ngram", "standalone", "serve")
+SERVE_MIN_PATH_PROB = 0.1  # serve.settings.DEFAULT_SPECULATION's (bench may not import serve/)
 REFERENCE = "none"
 
 
@@ -53,6 +58,9 @@ def engine_config(name: str, args) -> EngineConfig | None:
         branch = 5 if name == "eagle3-tree-ngram" else 0
         return EngineConfig(speculative_algorithm="eagle3", draft_model=args.draft_eagle3, num_steps=args.tree_steps,
                             eagle_topk=4, num_draft_tokens=8, ngram_branch=branch, **common) if args.draft_eagle3 else None
+    if name == "serve":
+        cfg = engine_config("eagle3-tree-ngram", args)
+        return cfg if cfg is None else dataclasses.replace(cfg, min_path_prob=SERVE_MIN_PATH_PROB)
     if name == "standalone":
         return EngineConfig(speculative_algorithm="standalone", draft_model=args.draft_standalone,
                             num_steps=args.standalone_steps, **common) if args.draft_standalone else None
@@ -73,17 +81,19 @@ def kv_slots_for(prompts: list[list[int]], batch_size: int, max_tokens: int) -> 
     return batch_size * (longest + max_tokens + 2 * 64) + 64
 
 
-CONFIG_NAME = re.compile(r"^(?P<base>[a-z0-9-]+)(?:/(?P<budget>[1-9][0-9]*))?(?:@(?P<cutoff>[1-9][0-9]*))?$")
+CONFIG_NAME = re.compile(r"^(?P<base>[a-z0-9-]+)(?P<fixed>\+fixed)?(?:/(?P<budget>[1-9][0-9]*))?"
+                         r"(?:@(?P<cutoff>[1-9][0-9]*))?$")
 
 
 def parse_config(name: str, args) -> tuple[str, object]:
-    """'eagle3-tree-ngram/32@8' -> the spec_bench config with verify_budget=32 and
-    disable_by_batch_size=8 (either part may be left out)."""
+    """'eagle3-tree-ngram+fixed/32@8' -> the spec_bench config with full trees every step,
+    verify_budget=32 and disable_by_batch_size=8 (each part may be left out)."""
     match = CONFIG_NAME.match(name)
     if match is None:
-        raise SystemExit(f"--configs: {name!r} is not NAME[/BUDGET][@CUTOFF] with positive integers")
+        raise SystemExit(f"--configs: {name!r} is not NAME[+fixed][/BUDGET][@CUTOFF] with positive integers")
     cfg = engine_config(match["base"], args)
     if cfg is None:
         raise SystemExit(f"--configs: {match['base']} needs --draft-eagle3 / --draft-standalone")
     limits = {"verify_budget": match["budget"], "disable_by_batch_size": match["cutoff"]}
-    return name, dataclasses.replace(cfg, **{k: int(v) for k, v in limits.items() if v is not None})
+    cfg = dataclasses.replace(cfg, **{k: int(v) for k, v in limits.items() if v is not None})
+    return name, dataclasses.replace(cfg, adaptive_speculation=False) if match["fixed"] else cfg

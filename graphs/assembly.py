@@ -4,7 +4,7 @@ Ray graph inside its actors)."""
 
 from __future__ import annotations
 
-from actors.draft_runner import BatchLimits, DraftRunner, NgramDrafter, NoDrafter
+from actors.draft_runner import DraftRunner, NgramDrafter, NoDrafter
 from actors.scheduler import SchedulerConfig
 from graphs.config import EngineConfig
 from models.build import ModelSource, check_draft_checkpoint, check_draft_kind, check_target
@@ -30,14 +30,10 @@ def make_drafter(config: EngineConfig, **runner_kwargs):
     if config.algorithm is SpecAlgorithm.NONE:
         return NoDrafter()
     if config.algorithm is SpecAlgorithm.NGRAM:
-        drafter = NgramDrafter(config.num_steps)
-    else:
-        drafter = DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
-                              config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch,
-                              min_path_prob=config.min_path_prob, **runner_kwargs)
-    if config.disable_by_batch_size is not None or config.verify_budget is not None:
-        return BatchLimits(drafter, config.disable_by_batch_size, config.verify_budget)
-    return drafter
+        return NgramDrafter(config.num_steps)
+    return DraftRunner(config.algorithm, config.draft_model, config.model, config.num_steps,
+                       config.eagle_topk, config.tree_size, ngram_branch=config.ngram_branch,
+                       min_path_prob=config.min_path_prob, **runner_kwargs)
 
 
 def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSource | None) -> SchedulerConfig:
@@ -55,6 +51,10 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         max_model_len=min(context, config.max_model_len or context),
         needs_history=config.algorithm is SpecAlgorithm.NGRAM or config.ngram_branch > 0,
         vocab_size=int(cfg_get(target.config, "vocab_size", 0)) or None,
+        draft_depth=0 if config.algorithm is SpecAlgorithm.NONE else config.num_steps,
+        adaptive=config.adaptive_speculation,
+        verify_budget=config.verify_budget,
+        disable_by_batch_size=config.disable_by_batch_size,
     )
 
 

@@ -31,12 +31,15 @@ class EngineConfig:
     # of the draft's probabilities from the root) reaches this, and stop drafting deeper once no
     # beam does. 0: every step drafts num_steps levels and verifies the full tree.
     min_path_prob: float = 0.0
-    # Big batches already fill the hardware, so extra draft rows cost more than they save
-    # (actors.draft_runner.BatchLimits). Decode steps with more running requests than this (per
-    # rank) verify each root alone, as vLLM's disable_by_batch_size; None: always speculate.
+    # Each decode step verifies the tree size (nodes per request, 1 = plain decoding) with the most
+    # expected tokens per second, from step costs and per-request acceptance measured as it runs
+    # (actors.cost_model). False: the full tree every step (within the caps below).
+    adaptive_speculation: bool = True
+    # Caps a user may set on top. Decode steps with more running requests than this (per rank)
+    # verify each root alone, as vLLM's disable_by_batch_size; None: no such cap.
     disable_by_batch_size: int | None = None
-    # Most verify rows per decode step and rank: a batch of B keeps the best verify_budget // B
-    # nodes of each tree (the root alone when that is below 2). None: full trees at any batch size.
+    # Most verify rows per decode step and rank: a batch of B verifies at most verify_budget // B
+    # nodes of each tree, its likeliest (the root alone when that is below 2). None: no such cap.
     verify_budget: int | None = None
     dp_size: int = 1
     backend: str = "local"
@@ -116,6 +119,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: there is no speculation to limit (speculative_algorithm NONE)")
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        if not isinstance(self.adaptive_speculation, bool):
+            raise ValueError(f"adaptive_speculation must be true or false, got {self.adaptive_speculation!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

@@ -46,6 +46,8 @@ class ServeMetrics:
         self.acceptance_length = _histogram(ACCEPT_BUCKETS)
         self.verify_steps = 0  # decode verify steps (each proposes draft tokens at every position)
         self.accepted_by_position: list[int] = []  # [k]: steps whose accept_len > k
+        self.drafted_by_position: list[int] = []  # [k]: steps that drafted position k (tree depth > k)
+        self.steps_by_tree_size: dict[int, int] = {}  # decode steps per tree size the engine chose
         self.draft_depth = 0
         self.gauges = {"running": 0, "waiting": 0, "free_slots": 0, "kv_slots": 0}
         self.has_gauges = False
@@ -76,23 +78,31 @@ class ServeMetrics:
             _observe(self.tpot, max(0.0, finish_s - ttft_s) / (output.num_output_tokens - 1))
         if output.num_verify_steps > 0 and output.num_output_tokens > 0:
             _observe(self.acceptance_length, output.num_output_tokens / output.num_verify_steps)
-        lens = list(output.accept_lens)
+        lens, depths = list(output.accept_lens), list(output.draft_depths)
         self.verify_steps += len(lens)
-        depth = max([self.draft_depth, *lens])
-        if depth > len(self.accepted_by_position):
-            self.accepted_by_position += [0] * (depth - len(self.accepted_by_position))
+        self._widen(max([self.draft_depth, *lens, *depths]))
         for a in lens:
             for k in range(a):
                 self.accepted_by_position[k] += 1
+        for d in depths:
+            for k in range(d):
+                self.drafted_by_position[k] += 1
         self.version += 1
+
+    def _widen(self, depth: int) -> None:
+        for counts in (self.accepted_by_position, self.drafted_by_position):
+            counts += [0] * max(0, depth - len(counts))
 
     def set_draft_depth(self, depth: int) -> None:
         """Draft positions per verify step (num_steps; 0 without speculation)."""
         self.draft_depth = max(self.draft_depth, depth)
-        if depth > len(self.accepted_by_position):
-            self.accepted_by_position += [0] * (depth - len(self.accepted_by_position))
+        self._widen(depth)
 
     def set_engine_stats(self, stats: dict) -> None:
+        sizes = {int(k): int(v) for k, v in stats.get("steps_by_tree_size", {}).items()}
+        if sizes != self.steps_by_tree_size:  # the engine's running totals
+            self.steps_by_tree_size = sizes
+            self.version += 1
         new = {k: int(stats.get(k, 0)) for k in self.gauges}
         if new != self.gauges or not self.has_gauges:
             self.gauges, self.has_gauges = new, True
@@ -112,6 +122,8 @@ class ServeMetrics:
             "acceptance_length": copy.deepcopy(self.acceptance_length),
             "verify_steps": self.verify_steps,
             "accepted_by_position": list(self.accepted_by_position),
+            "drafted_by_position": list(self.drafted_by_position),
+            "steps_by_tree_size": [[k, n] for k, n in sorted(self.steps_by_tree_size.items())],
             "gauges": dict(self.gauges) if self.has_gauges else None,
         }
 
@@ -130,12 +142,17 @@ def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
         for key in ("ttft", "tpot", "acceptance_length"):
             total[key]["counts"] = [a + b for a, b in zip(total[key]["counts"], snap[key]["counts"])]
             total[key]["sum"] += snap[key]["sum"]
-        acc = total["accepted_by_position"]
-        for k, n in enumerate(snap["accepted_by_position"]):
-            if k < len(acc):
-                acc[k] += n
-            else:
-                acc.append(n)
+        for key in ("accepted_by_position", "drafted_by_position"):
+            acc = total[key]
+            for k, n in enumerate(snap.get(key, [])):
+                if k < len(acc):
+                    acc[k] += n
+                else:
+                    acc.append(n)
+        sizes = dict(total["steps_by_tree_size"])
+        for size, n in snap.get("steps_by_tree_size", []):
+            sizes[size] = sizes.get(size, 0) + n
+        total["steps_by_tree_size"] = [[k, n] for k, n in sorted(sizes.items())]
         if snap.get("gauges") is not None and now - snap["time"] <= GAUGE_TTL_S:
             gauges = total["gauges"] or {}
             for k, v in snap["gauges"].items():
@@ -176,13 +193,25 @@ class _SnapshotCollector:
         yield CounterMetricFamily(f"{p}_spec_verify_steps", "Speculative verify (decode) steps", value=s["verify_steps"])
         accepted = CounterMetricFamily(f"{p}_spec_accepted_tokens", "Verify steps whose draft token at a "
                                        "position was accepted (accept_len > position)", labels=["position"])
-        rate = GaugeMetricFamily(f"{p}_spec_acceptance_rate", "Acceptance rate of the draft token at each position",
-                                 labels=["position"])
+        drafted = CounterMetricFamily(f"{p}_spec_drafted_tokens", "Verify steps that drafted a token at a position "
+                                      "(adaptive speculation drafts fewer, or none, where they do not pay)",
+                                      labels=["position"])
+        rate = GaugeMetricFamily(f"{p}_spec_acceptance_rate", "Acceptance rate of the draft token at each position, "
+                                 "over the steps that drafted it", labels=["position"])
+        drafted_counts = s.get("drafted_by_position", [])
         for k, n in enumerate(s["accepted_by_position"]):
+            proposed = drafted_counts[k] if k < len(drafted_counts) else 0
             accepted.add_metric([str(k)], n)
-            rate.add_metric([str(k)], n / s["verify_steps"] if s["verify_steps"] else 0.0)
+            drafted.add_metric([str(k)], proposed)
+            rate.add_metric([str(k)], n / proposed if proposed else 0.0)
         yield accepted
+        yield drafted
         yield rate
+        sizes = CounterMetricFamily(f"{p}_spec_tree_size_steps", "Decode steps by the tree size (verify nodes per "
+                                    "request, root included; 1 = plain decoding) the engine chose", labels=["size"])
+        for size, n in s.get("steps_by_tree_size", []):
+            sizes.add_metric([str(size)], n)
+        yield sizes
         g = s["gauges"] or {"running": 0, "waiting": 0, "free_slots": 0, "kv_slots": 0}
         kv = 1.0 - g["free_slots"] / g["kv_slots"] if g["kv_slots"] else 0.0
         yield GaugeMetricFamily(f"{p}_kv_cache_usage", "Fraction of KV slots in use (0..1)", value=kv)

@@ -21,16 +21,16 @@ DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 # What the server speculates with unless told otherwise (docs/benchmarks.md, bench/results/spec_bench.json):
 # the default model with its shipped EAGLE-3 head drafting a tree that also carries a prompt-lookup
 # branch (the fastest config on Spec-Bench, bf16, batch 1), any other model with prompt lookup
-# (NGRAM), which needs no draft. On a 2-core CPU full trees stop paying above 2-4 running requests;
-# a budget of 16 verify rows per step cuts them to fewer nodes as the batch grows and to roots
-# alone above 8 (bench/results/concurrency.json); a GPU host can raise it. Tree nodes the draft
+# (NGRAM), which needs no draft. Full trees stop paying as the batch grows (above 2-4 running
+# requests on a 2-core CPU, bench/results/concurrency.json); each step's tree size is chosen from
+# measured step costs and acceptance (EngineConfig.adaptive_speculation, actors.cost_model), so the
+# same default fits any host; verify_budget / disable_by_batch_size remain as caps. Tree nodes the draft
 # finds less than 10% likely are left out: on held-out prompts, on a 2-core CPU, that went from
 # 1.14x to 1.20x over none at 4 requests a batch and from 1.62x to 1.63x at one (bench/results/min_path_prob_heldout*.json); where
 # verify rows cost little (GPUs, bf16 on AVX512-BF16/AMX CPUs) 0 may be faster. Keys the user gave
 # win over these.
 DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
-                       "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "verify_budget": 16,
-                       "min_path_prob": 0.1}
+                       "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "min_path_prob": 0.1}
 FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
 ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"

@@ -11,17 +11,21 @@ from bench import concurrency, configs
 
 def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     out = tmp_path / "concurrency.json"
-    result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram,ngram@1", "--levels", "1,2",
-                               "--max-tokens", "6", "--repeats", "1", "--threads", "1", "--out", str(out), "--plot"])
-    assert list(result["results"]) == ["none", "ngram", "ngram@1"]
-    for per_level in result["results"].values():
+    result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram,ngram+fixed,ngram+fixed@1",
+                               "--levels", "1,2", "--prompts", "short", "--dtypes", "float32", "--max-tokens", "6", "--repeats", "1",
+                               "--threads", "1", "--out", str(out), "--plot"])
+    assert list(result["results"]) == ["short-float32"]
+    group = result["results"]["short-float32"]
+    assert list(group) == ["none", "ngram", "ngram+fixed", "ngram+fixed@1"]
+    for per_level in group.values():
         assert set(per_level) == {"1", "2"}
         assert all(entry["mismatches"] == 0 and entry["tokens_per_s"] > 0 for entry in per_level.values())
-    assert all(entry["speedup"] == 1.0 for entry in result["results"]["none"].values())
-    # One request is within the cutoff of 1: it drafts exactly as ngram does; two are above it.
-    cut, plain = result["results"]["ngram@1"], result["results"]["ngram"]
-    assert cut["1"]["acceptance_length"] == plain["1"]["acceptance_length"]
-    assert cut["2"]["acceptance_length"] == 1.0
+    assert all(entry["speedup"] == 1.0 for entry in group["none"].values())
+    # One request is within the cutoff of 1: it drafts exactly as ngram+fixed does; two are above it.
+    cut, full = group["ngram+fixed@1"], group["ngram+fixed"]
+    assert cut["1"]["acceptance_length"] == full["1"]["acceptance_length"]
+    assert cut["2"]["acceptance_length"] == 1.0 and cut["2"]["tree_sizes"] == {"1": 5}
+    assert set(full["1"]["tree_sizes"]) == {"5"}  # ngram's 4 steps + the root, every decode step
     assert json.loads(out.read_text()) == result
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
@@ -38,3 +42,6 @@ def test_config_names_carry_budget_and_cutoff():
     _, cfg = configs.parse_config("eagle3-tree-ngram/32@8", args)
     assert (cfg.verify_budget, cfg.disable_by_batch_size, cfg.num_draft_tokens) == (32, 8, 8)
     assert configs.parse_config("ngram/12", args)[1].verify_budget == 12
+    assert configs.parse_config("ngram/12", args)[1].adaptive_speculation
+    _, fixed = configs.parse_config("serve+fixed/16", args)
+    assert (fixed.adaptive_speculation, fixed.verify_budget, fixed.min_path_prob) == (False, 16, 0.1)

@@ -32,6 +32,10 @@ MATRIX = [
 ]
 
 
+# Tests that count verify steps need every step to verify the full tree (no adaptive choice).
+FIXED_TREES = {"adaptive_speculation": False}
+
+
 def _engine(target, algorithm=None, draft=None, topk=1, n=4, steps=3, **kw):
     kw.setdefault("kv_slots", 4096)
     return build_graph(EngineConfig(
@@ -65,6 +69,7 @@ def reference(tiny_target):
 def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm, draft, topk, n, steps):
     draft_path = request.getfixturevalue(draft) if draft else None
     engine = _engine(tiny_target, algorithm, draft_path, topk, n, steps)
+    engine.scheduler.policy.explore_every = 3  # switch sizes often, whatever the timings say is best
     free_before = engine.scheduler.num_free_slots
     outs = _run_all(engine)
     assert [o.token_ids for o in outs] == reference
@@ -72,6 +77,11 @@ def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm
     assert all(o.finish_reason == "length" for o in outs)
     assert engine.scheduler.num_free_slots == free_before
     assert engine.scheduler.reserved == 0
+    # Adaptive speculation (the default) measured plain steps and trees, and went from one to the
+    # other: drafts deferred over plain steps were caught up before the next tree.
+    sizes = engine.scheduler.policy.stats.steps_by_size
+    assert 1 in sizes and max(sizes) > 1
+    assert any(0 in o.draft_depths[:-1] and max(o.draft_depths[o.draft_depths.index(0):]) > 0 for o in outs)
 
 
 @pytest.mark.parametrize("algorithm,draft,topk,n,branch",
@@ -99,7 +109,7 @@ def test_min_path_prob_verifies_only_drafts_that_likely(tiny_target, reference):
     drafts kept: all of them at 0, none (plain decoding, one token a step) when no draft is that
     likely, and in between at a threshold among its probabilities."""
     def steps(prob):
-        outs = _run_all(_engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, min_path_prob=prob))
+        outs = _run_all(_engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, min_path_prob=prob, **FIXED_TREES))
         assert [o.token_ids for o in outs] == reference
         return sum(o.num_verify_steps for o in outs)
 
@@ -110,7 +120,7 @@ def test_min_path_prob_verifies_only_drafts_that_likely(tiny_target, reference):
 
 
 def test_full_acceptance_when_draft_is_target(tiny_target, reference):
-    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, **FIXED_TREES)
     outs = _run_all(engine)
     assert [o.token_ids for o in outs] == reference
     # 1 prefill token, then 5 tokens (4 drafts + bonus) per verify step.
@@ -125,7 +135,7 @@ def test_hot_vocab_draft_proposes_target_ids(tiny_target, tiny_dir, reference):
     assert len(used) < 64  # the hot vocabulary is a strict subset, so d2t is not the identity
 
     def verify_steps(name, ids):
-        outs = _run_all(_engine(tiny_target, "STANDALONE", make_hot_vocab(tiny_dir / name, tiny_target, ids), 1, 5, 4))
+        outs = _run_all(_engine(tiny_target, "STANDALONE", make_hot_vocab(tiny_dir / name, tiny_target, ids), 1, 5, 4, **FIXED_TREES))
         assert [o.token_ids for o in outs] == reference
         return [o.num_verify_steps for o in outs]
 
@@ -157,7 +167,7 @@ def test_batch_limits_shrink_trees_as_the_batch_grows(tiny_target, reference, li
     """The target as its own draft accepts every node, so each step commits exactly as many tokens
     per request as its tree kept: 5 in a small batch, fewer as the batch grows, 1 (the root)
     above the cutoff; output stays the target's own and no KV slot leaks."""
-    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, **limits)
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, adaptive_speculation=False, **limits)
     free_before = engine.scheduler.num_free_slots
     reqs, steps = _limited_steps(engine)
     assert [r.output().token_ids for r in reqs] == reference
@@ -166,11 +176,23 @@ def test_batch_limits_shrink_trees_as_the_batch_grows(tiny_target, reference, li
     assert {nodes(batch) for batch, _, _ in steps} > {1}  # the run saw both cut and full trees
 
 
+def test_deferred_draft_catches_up_exactly(tiny_target, reference):
+    """Plain steps defer the draft's extend; the catch-up (here also forced every 2 waiting tokens)
+    must leave the draft's KV as step-by-step extends would: the target as its own draft then accepts
+    its whole tree at every step that drafts, after any number of plain steps."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, disable_by_batch_size=2, **FIXED_TREES)
+    engine.scheduler.executor.drafter.max_pending = 2
+    reqs, steps = _limited_steps(engine)
+    assert [r.output().token_ids for r in reqs] == reference
+    assert all(gained == (min(5, left) if batch <= 2 else 1) for batch, left, gained in steps)
+
+
 @pytest.mark.parametrize("algorithm,draft,topk,n", [("EAGLE3", "tiny_eagle3_shared", 4, 8), ("EAGLE", "tiny_eagle", 2, 5),
                                                      ("NGRAM", None, 1, 5)])
 def test_batch_limits_stay_lossless(request, tiny_target, reference, algorithm, draft, topk, n):
     draft_path = request.getfixturevalue(draft) if draft else None
-    engine = _engine(tiny_target, algorithm, draft_path, topk, n, 3, verify_budget=9, disable_by_batch_size=4)
+    engine = _engine(tiny_target, algorithm, draft_path, topk, n, 3, verify_budget=9, disable_by_batch_size=4,
+                     adaptive_speculation=False)
     free_before = engine.scheduler.num_free_slots
     reqs, steps = _limited_steps(engine)
     assert [r.output().token_ids for r in reqs] == reference
@@ -301,7 +323,7 @@ def test_logprobs_are_the_targets_log_softmax(tiny_target):
     import torch
     from transformers import AutoModelForCausalLM
 
-    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4)
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, **FIXED_TREES)
     params = [SamplingParams(max_tokens=10, temperature=1.5, seed=3, ignore_eos=True, logprobs=0,
                              repetition_penalty=1.2),
               SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3),

@@ -1,0 +1,259 @@
+"""Adaptive speculation: how many tree nodes a decode step verifies, chosen from measurements.
+
+A step that verifies N nodes per request costs more than a plain step (N = 1, the root alone),
+and gains the draft tokens it accepts. Both sides are measured online, never assumed:
+
+* `StepCostModel`: step seconds, a decayed least-squares fit linear in the verify rows, the context
+  they attend to, the draft levels and the batch (what a verify row and a draft level cost at this
+  load, measured from the steps the engine runs).
+* `AcceptanceModel`: per request and draft depth, the decayed rate at which that depth's token is
+  accepted given the one before it was; new requests start from the batch-wide rates.
+* `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
+  batch stays rectangular), the one with the most expected tokens per second,
+  sum_b E_b[accepted + 1] / cost(step). The user's `verify_budget` and `disable_by_batch_size` cap
+  it. Rival sizes are re-measured the more often the closer they are predicted to the best (every
+  `explore_every` steps when as good), and the plain step once whenever the batch size or the
+  context moves to a regime where it was not measured, so the choice follows the load.
+
+Plain classes; no timing is taken here (the scheduler reports each step's wall time).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+# Context tokens are fitted in thousands, so the features have comparable scales.
+_CONTEXT_UNIT = 1024.0
+# What a tree smaller than the full one is assumed to keep of the acceptance the per-depth rates
+# promise before it is measured (its fewer nodes per depth catch fewer target tokens), and how many
+# promised tokens that assumption weighs against measured ones (a step of one request promises ~2,
+# so one unlucky step cannot rule a tree size out for good; a step of 64 outweighs it).
+UNTRIED_SCALE = 0.75
+PRIOR_TOKENS = 4.0
+
+
+def size_buckets(tree_size: int) -> list[int]:
+    """The verify widths a step may choose: every size up to 5, then powers of two and the full tree."""
+    sizes = {n for n in range(1, min(tree_size, 5) + 1)}
+    n = 8
+    while n < tree_size:
+        sizes.add(n)
+        n *= 2
+    sizes.add(tree_size)
+    return sorted(sizes)
+
+
+def capped_size(tree_size: int, batch: int, verify_budget: int | None, disable_by_batch_size: int | None) -> int:
+    """The most nodes per request a user's caps allow in a step of `batch` requests: the root alone
+    above `disable_by_batch_size`, else at most verify_budget // batch (never below the root)."""
+    if disable_by_batch_size is not None and batch > disable_by_batch_size:
+        return 1
+    if verify_budget is not None:
+        return max(1, min(tree_size, verify_budget // max(batch, 1)))
+    return tree_size
+
+
+class DecayedLinearFit:
+    """y ~ w . x by least squares over exponentially decayed samples (each new sample multiplies the
+    older ones' weight by `decay`). A small ridge on every weight but the first (the intercept) keeps
+    the answer defined while the samples span few directions: a slope the data cannot tell yet
+    stays near 0, so a step predicts about what was measured rather than a wild extrapolation."""
+
+    def __init__(self, num_features: int, decay: float, ridge: float = 1e-3):
+        self.decay, self.ridge = decay, ridge
+        self.xx = torch.zeros((num_features, num_features), dtype=torch.float64)
+        self.xy = torch.zeros(num_features, dtype=torch.float64)
+        self._w: torch.Tensor | None = None
+
+    def observe(self, x: list[float], y: float) -> None:
+        v = torch.tensor(x, dtype=torch.float64)
+        self.xx = self.decay * self.xx + torch.outer(v, v)
+        self.xy = self.decay * self.xy + v * y
+        self._w = None
+
+    def predict(self, x: list[float]) -> float:
+        if self._w is None:
+            penalty = self.ridge * (self.xx.diagonal() + 1e-9)
+            penalty[0] = 1e-12
+            self._w = torch.linalg.solve(self.xx + torch.diag(penalty), self.xy)
+        return float(torch.tensor(x, dtype=torch.float64) @ self._w)
+
+
+class StepCostModel:
+    """Seconds of a decode step of B requests attending to C context tokens that verifies n nodes per
+    request and drafts L levels for them, one decayed linear fit over every step taken:
+
+        cost = a + b B + c B n + d n C + e L + f L B
+
+    (fixed per step; per request; per verify row; attention of the rows over the context; per draft
+    level; per drafted request and level). One fit for all tree sizes, so a plain step measured at
+    this load also tells what a tree's fixed and per-request parts cost, and the other way round."""
+
+    def __init__(self, decay: float = 0.97):
+        self.fit = DecayedLinearFit(6, decay)
+        self.counts: dict[int, float] = {}  # decayed steps seen per tree size
+
+    @staticmethod
+    def _features(nodes: int, depth: int, batch: int, context_tokens: int) -> list[float]:
+        context = context_tokens / _CONTEXT_UNIT
+        return [1.0, float(batch), float(batch * nodes), nodes * context, float(depth), float(depth * batch)]
+
+    def observe(self, nodes: int, depth: int, batch: int, context_tokens: int, seconds: float) -> None:
+        self.fit.observe(self._features(nodes, depth, batch, context_tokens), seconds)
+        for n in self.counts:
+            self.counts[n] *= self.fit.decay
+        self.counts[nodes] = self.counts.get(nodes, 0.0) + 1.0
+
+    def samples(self, nodes: int) -> float:
+        return self.counts.get(nodes, 0.0)
+
+    def predict(self, nodes: int, depth: int, batch: int, context_tokens: int) -> float:
+        """Expected step seconds (never below a microsecond: an extrapolated line can dip under 0)."""
+        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens)))
+
+
+class AcceptanceModel:
+    """Per request, the decayed rate q_d at which the depth-d draft token is accepted once depth d - 1
+    was (d = 1..max_depth); a new request starts from the rates of all requests. Expected accepted
+    tokens of a tree reaching depth D: sum_{d<=D} prod_{j<=d} q_j."""
+
+    def __init__(self, max_depth: int, decay: float = 0.8, prior: float = 0.5):
+        self.max_depth, self.decay = max_depth, decay
+        self.overall = [prior] * max_depth
+        self.per_request: dict[int, list[float]] = {}
+
+    def rates(self, rid: int) -> list[float]:
+        return self.per_request.get(rid, self.overall)
+
+    def observe(self, rid: int, drafted_depth: int, accepted: int) -> None:
+        """One verify step of request `rid`: its tree reached `drafted_depth`, `accepted` tokens were
+        accepted. Depths past the first rejection say nothing (they were not reached)."""
+        if drafted_depth <= 0:
+            return
+        own = self.per_request.setdefault(rid, list(self.overall))
+        for rates, decay in ((own, self.decay), (self.overall, 1.0 - (1.0 - self.decay) / 4)):
+            for d in range(min(accepted + 1, drafted_depth)):
+                rates[d] = decay * rates[d] + (1.0 - decay) * (1.0 if d < accepted else 0.0)
+
+    def expected(self, rid: int, depth: int) -> float:
+        """Expected accepted draft tokens of a tree of `depth` levels."""
+        total, reach = 0.0, 1.0
+        for q in self.rates(rid)[:depth]:
+            reach *= q
+            total += reach
+        return total
+
+    def forget(self, rid: int) -> None:
+        self.per_request.pop(rid, None)
+
+
+@dataclass
+class AdaptiveStats:
+    """What /metrics shows of the policy: the steps at each chosen tree size, and the acceptance rate
+    at each draft depth over all requests (decayed)."""
+
+    steps_by_size: dict[int, int] = field(default_factory=dict)
+    last_size: int = 0
+    acceptance_by_depth: list[float] = field(default_factory=list)
+
+
+class TreeSizePolicy:
+    """Chooses each decode step's verify width (nodes per request, root included; 1 = plain decoding).
+
+    adaptive=False keeps the fixed behaviour: the full tree within the user's caps."""
+
+    def __init__(self, tree_size: int, draft_depth: int, adaptive: bool = True,
+                 verify_budget: int | None = None, disable_by_batch_size: int | None = None,
+                 explore_every: int = 16):
+        self.tree_size, self.draft_depth, self.adaptive = tree_size, draft_depth, adaptive
+        self.verify_budget, self.disable_by_batch_size = verify_budget, disable_by_batch_size
+        self.buckets = size_buckets(tree_size)
+        self.costs = StepCostModel()
+        self.acceptance = AcceptanceModel(max(draft_depth, 1))
+        self.explore_every = explore_every
+        # Correction per bucket: accepted tokens seen over those predicted, decayed sums (a small tree
+        # of a wide draft accepts less per depth than the rates, mostly measured on full trees, say).
+        self.seen: dict[int, float] = {}
+        self.predicted: dict[int, float] = {}
+        self.tried: set[tuple[int, int, int]] = set()  # (nodes, batch regime, context regime)
+        self.step = 0
+        self.explored: dict[int, int] = {}  # tree size -> step it was last re-measured at
+        self.stats = AdaptiveStats()
+
+    def depth(self, nodes: int) -> int:
+        """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
+        return min(self.draft_depth, nodes - 1)
+
+    @staticmethod
+    def _regime(batch: int, context_tokens: int) -> tuple[int, int]:
+        """Batch sizes and mean contexts within a factor of two behave alike."""
+        return int(math.log2(max(batch, 1))), int(math.log2(max(context_tokens // max(batch, 1), 1) / 64 + 1))
+
+    def expected_tokens(self, rids: list[int], nodes: int) -> float:
+        """sum over requests of E[accepted + 1] with `nodes` per request."""
+        depth = self.depth(nodes)
+        if depth == 0:
+            return float(len(rids))
+        # Clamped: a ratio of few samples must not promise more than every level accepted.
+        prior = PRIOR_TOKENS * (1.0 if nodes == self.tree_size else UNTRIED_SCALE)
+        scale = min(2.0, (self.seen.get(nodes, 0.0) + prior) / (self.predicted.get(nodes, 0.0) + PRIOR_TOKENS))
+        return sum(1.0 + min(depth, scale * self.acceptance.expected(rid, depth)) for rid in rids)
+
+    def choose(self, rids: list[int], context_tokens: int) -> int:
+        """This step's nodes per request for a batch of requests `rids` attending to `context_tokens`."""
+        batch = len(rids)
+        cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
+        if not self.adaptive or cap == 1:
+            return self._chosen(cap)
+        self.step += 1
+        candidates = [n for n in self.buckets if n <= cap]
+        for n in (candidates[-1], candidates[0]):
+            if self.costs.samples(n) == 0:  # start up: measure the largest tree and the plain step first
+                return self._chosen(n)
+        rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
+                for n in candidates}
+        best = max(rate, key=rate.get)
+        # Measure the plain step (the fallback that must never be misjudged) once in every load regime.
+        regime = self._regime(batch, context_tokens)
+        if best != 1 and (1, *regime) not in self.tried:
+            return self._chosen(1, regime)
+        # Re-measure rivals (the best's neighbours and the full tree: the payoff over sizes can be
+        # flat in between) the more often the closer they are predicted to the best, so measuring
+        # costs ~1% of throughput per rival whatever the load; one predicted at half the best's
+        # rate or less is not worth a step.
+        i = candidates.index(best)
+        rivals = {candidates[j] for j in (i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
+        for rival in sorted(rivals, key=rate.get, reverse=True):
+            ratio = rate[rival] / rate[best]
+            if ratio > 0.5 and self.step - self.explored.get(rival, -10**9) >= self.explore_every / (2 * ratio - 1):
+                self.explored[rival] = self.step
+                return self._chosen(rival, regime)
+        return self._chosen(best, regime)
+
+    def _chosen(self, nodes: int, regime: tuple[int, int] | None = None) -> int:
+        if regime is not None:
+            self.tried.add((nodes, *regime))
+        self.stats.steps_by_size[nodes] = self.stats.steps_by_size.get(nodes, 0) + 1
+        self.stats.last_size = nodes
+        return nodes
+
+    def observe(self, rids: list[int], context_tokens: int, nodes: int, seconds: float | None,
+                accepted: list[int]) -> None:
+        """A decode step ran with `nodes` per request in `seconds` (None: not timed alone) and each
+        request accepted `accepted[b]` draft tokens."""
+        depth = self.depth(nodes)
+        if depth:
+            predicted = sum(self.acceptance.expected(rid, depth) for rid in rids)
+            self.seen[nodes] = 0.9 * self.seen.get(nodes, 0.0) + sum(accepted)
+            self.predicted[nodes] = 0.9 * self.predicted.get(nodes, 0.0) + max(predicted, 1e-3)
+            for rid, a in zip(rids, accepted):
+                self.acceptance.observe(rid, depth, a)
+        if self.adaptive and seconds is not None:
+            self.costs.observe(nodes, depth, len(rids), context_tokens, seconds)
+        self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.overall[: self.draft_depth]]
+
+    def forget(self, rid: int) -> None:
+        self.acceptance.forget(rid)

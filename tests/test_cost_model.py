@@ -1,0 +1,102 @@
+"""The adaptive tree-size policy picks, from measured step costs and acceptance, the verify width with
+the most expected tokens per second: plain decoding where verify rows are dear and drafts rarely
+accepted, full trees where rows are cheap and drafts accepted; the user's caps always hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from actors.cost_model import AcceptanceModel, DecayedLinearFit, TreeSizePolicy, capped_size, size_buckets
+
+
+def _policy(**kw) -> TreeSizePolicy:
+    return TreeSizePolicy(tree_size=kw.pop("tree_size", 8), draft_depth=kw.pop("draft_depth", 3), **kw)
+
+
+def _feed(policy: TreeSizePolicy, rids: list[int], context: int, cost, accept, steps: int = 30) -> list[int]:
+    """Run `steps` decode steps through the policy: each verifies what it chose, costs cost(nodes, batch)
+    seconds and accepts accept(nodes) tokens per request. Returns the sizes chosen."""
+    chosen = []
+    for _ in range(steps):
+        nodes = policy.choose(rids, context)
+        chosen.append(nodes)
+        policy.observe(rids, context, nodes, cost(nodes, len(rids)), [accept(nodes)] * len(rids))
+    return chosen
+
+
+def _wider_accepts_more(nodes: int) -> int:
+    """Accepted drafts of a tree of `nodes` (depth 3 at 4 nodes and more): every level of the full
+    8-node tree, one level less of smaller ones."""
+    return 3 if nodes == 8 else max(0, min(nodes - 1, 3) - 1)
+
+
+def test_buckets_and_caps():
+    assert size_buckets(4) == [1, 2, 3, 4]
+    assert size_buckets(8) == [1, 2, 3, 4, 5, 8]
+    assert size_buckets(40) == [1, 2, 3, 4, 5, 8, 16, 32, 40]
+    assert capped_size(8, 4, None, None) == 8
+    assert capped_size(8, 4, 16, None) == 4 and capped_size(8, 32, 16, None) == 1
+    assert capped_size(8, 3, None, 2) == 1 and capped_size(8, 2, None, 2) == 8
+
+
+def test_linear_fit_recovers_a_line():
+    fit = DecayedLinearFit(3, decay=0.95)
+    for b in range(1, 20):
+        for c in (0.5, 2.0):
+            fit.observe([1.0, b, c], 0.01 + 0.002 * b + 0.003 * c)
+    assert fit.predict([1.0, 40, 1.0]) == pytest.approx(0.01 + 0.08 + 0.003, rel=0.05)
+
+
+def test_acceptance_model_is_per_request_and_decayed():
+    model = AcceptanceModel(max_depth=3, decay=0.5)
+    for _ in range(10):
+        model.observe(1, drafted_depth=3, accepted=3)  # accepts everything
+        model.observe(2, drafted_depth=3, accepted=0)  # rejects the first draft every time
+    assert model.expected(1, 3) == pytest.approx(3.0, abs=0.05)
+    assert model.expected(2, 3) == pytest.approx(0.0, abs=0.01)
+    assert 0.0 < model.expected(99, 3) < 3.0  # a new request starts from everyone's rates
+    for _ in range(10):
+        model.observe(1, drafted_depth=3, accepted=0)  # request 1 stops agreeing: the past fades
+    assert model.expected(1, 3) < 0.05
+
+
+def test_expensive_rows_and_low_acceptance_mean_plain_decoding():
+    """Each verify row costs as much as the fixed part of a step and one draft in ten is accepted:
+    every tree loses, so after measuring the policy verifies the root alone."""
+    policy = _policy()
+    cost = lambda nodes, batch: 0.010 + 0.010 * batch * nodes  # noqa: E731
+    chosen = _feed(policy, list(range(8)), 8 * 300, cost, lambda nodes: 1 if nodes > 1 and policy.step % 10 == 0 else 0,
+                   steps=200)
+    assert chosen[-50:].count(1) >= 47  # re-measuring a neighbour now and then is all that is left
+
+
+def test_cheap_rows_and_high_acceptance_mean_full_trees():
+    """Rows almost free (a step's cost is its fixed part) and the wider the tree the more it accepts
+    (here the full tree all 3 levels, smaller ones one level less): the full tree."""
+    policy = _policy()
+    cost = lambda nodes, batch: 0.020 + 0.0001 * batch * nodes  # noqa: E731
+    chosen = _feed(policy, [0], 300, cost, _wider_accepts_more, steps=200)
+    assert chosen[-50:].count(8) >= 47
+
+
+def test_the_choice_follows_the_load():
+    """The same engine: trees at one request, plain decoding once 32 requests make rows expensive."""
+    policy = _policy()
+    cost = lambda nodes, batch: 0.020 + 0.0003 * max(0, batch * nodes - 16)  # noqa: E731  rows free until 16
+    small = _feed(policy, [0], 300, cost, _wider_accepts_more, steps=150)
+    rng = random.Random(0)  # at 32 requests one draft in four is accepted: not worth a row each
+    large = _feed(policy, list(range(32)), 32 * 300, cost, lambda nodes: int(nodes > 1 and rng.random() < 0.25),
+                  steps=300)
+    assert small[-50:].count(8) >= 47
+    assert large[-50:].count(1) >= 47
+
+
+def test_caps_hold_and_fixed_mode_is_the_full_capped_tree():
+    adaptive = _policy(verify_budget=16, disable_by_batch_size=8)
+    cheap = lambda nodes, batch: 0.02  # noqa: E731  rows free: the adaptive choice wants the full tree
+    assert set(_feed(adaptive, list(range(4)), 1200, cheap, _wider_accepts_more, steps=50)) <= {1, 2, 3, 4}
+    assert set(_feed(adaptive, list(range(9)), 2700, cheap, _wider_accepts_more, steps=10)) == {1}
+    fixed = _policy(adaptive=False, verify_budget=16)
+    assert [fixed.choose(list(range(b)), 100 * b) for b in (1, 2, 3, 8, 17)] == [8, 8, 5, 2, 1]
