@@ -71,7 +71,7 @@ def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm
     assert [o.num_output_tokens for o in outs] == MAX_TOKENS
     assert all(o.finish_reason == "length" for o in outs)
     assert engine.scheduler.num_free_slots == free_before
-    assert engine.scheduler.reserved == 0
+    assert not engine.scheduler.prefilling
 
 
 @pytest.mark.parametrize("algorithm,draft,topk,n,branch",
