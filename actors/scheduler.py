@@ -652,6 +652,20 @@ class DataParallelScheduler:
     def num_free_slots(self) -> int:
         return sum(r.num_free_slots for r in self.ranks)
 
+    def load_stats(self) -> dict[str, int]:
+        """Serving-under-load counters and gauges summed over ranks (for /metrics)."""
+        caches = [r.cache for r in self.ranks if r.cache is not None]
+        return {
+            "preemptions": sum(r.stats.preemptions for r in self.ranks),
+            "step_tokens": sum(r.stats.step_tokens for r in self.ranks),
+            "step_token_budget": sum(r.config.max_num_batched_tokens for r in self.ranks),
+            "queue_wait_ms": int(1000 * sum(r.stats.queue_wait_s for r in self.ranks)),
+            "admitted": sum(r.stats.admitted for r in self.ranks),
+            "prefix_hit_tokens": sum(c.hit_tokens for c in caches),
+            "prefix_query_tokens": sum(c.query_tokens for c in caches),
+            "cached_slots": sum(r.num_cached_slots for r in self.ranks),
+        }
+
     def step(self, lock: AbstractContextManager = nullcontext(), is_request_error=lambda exc: True) -> list[Request]:
         """Plan and commit under `lock`; the runners' work happens outside it, so requests
         can be submitted (and stats read) while a step runs. A step that raises an error

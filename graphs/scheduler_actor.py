@@ -138,6 +138,7 @@ class SchedulerActor:
                 "speculating": not self.runtime.pending_drafts,
                 "execute_s": self.dp.execute_s,
                 "executed_steps": self.dp.executed_steps,
+                **self.dp.load_stats(),
             }
 
     def health(self) -> str | None:

@@ -213,12 +213,19 @@ def test_metrics_merge_and_render():
     a.record_request("/v1/completions", 200)
     b.record_request("/v1/completions", 200)
     a.record_finished(RequestOutput(0, [1] * 6, "", "length", 4, 6, 3, [2, 3]), 0.0, 1.0)
-    b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100})
+    b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100, "preemptions": 3,
+                        "prefix_hit_tokens": 30, "prefix_query_tokens": 120, "queue_wait_ms": 1500, "admitted": 3,
+                        "step_tokens": 40, "step_token_budget": 512})
     families = {f.name: f for f in text_string_to_metric_families(render(merge([a.snapshot(), b.snapshot()])))}
     assert families["specgraph_requests"].samples[0].value == 2
     assert [s.value for s in families["specgraph_spec_acceptance_rate"].samples] == [1.0, 1.0, 0.5]
     assert families["specgraph_kv_cache_usage"].samples[0].value == 0.25
     assert families["specgraph_num_requests_waiting"].samples[0].value == 2
+    assert families["specgraph_prefix_cache_hit_rate"].samples[0].value == 0.25
+    assert families["specgraph_num_preemptions"].samples[0].value == 3
+    assert families["specgraph_step_token_budget"].samples[0].value == 512
+    wait = {s.name: s.value for s in families["specgraph_queue_wait_seconds"].samples}
+    assert wait["specgraph_queue_wait_seconds_sum"] == 1.5 and wait["specgraph_queue_wait_seconds_count"] == 3
     hist = {s.name: s.value for s in families["specgraph_acceptance_length"].samples}
     assert hist["specgraph_acceptance_length_count"] == 1 and hist["specgraph_acceptance_length_sum"] == 2.0
 

@@ -130,3 +130,9 @@ def test_prefix_cache_keys_positions_by_token_pairs_and_evicts_lru():
     assert sorted(freed) == [10, 11, 12, 22, 23] and cache.num_cached == 0
     with pytest.raises(ValueError, match="tokens"):
         cache.insert([1, 2], [5, 6])
+
+
+def test_step_budget_is_validated_by_name():
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            EngineConfig(max_num_batched_tokens=bad)
