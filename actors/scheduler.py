@@ -363,9 +363,10 @@ class Scheduler:
     # ---- KV on demand ---------------------------------------------------------------
 
     def _alloc(self, n: int) -> torch.Tensor:
-        """n slots from the pool, evicting unused cached prefixes first when it is short."""
+        """n slots from the pool, evicting unused cached prefixes first when it is short: a
+        sixteenth of the pool at least, as an eviction walks the whole tree."""
         if n > self.slots.num_free and self.cache is not None:
-            self.cache.evict(n - self.slots.num_free)
+            self.cache.evict(max(n - self.slots.num_free, self.config.kv_slots // 16))
         return self.slots.alloc(n)
 
     def _admit(self, request: Request) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from actors.prefix_cache import PrefixCache
 from graphs import EngineConfig, SamplingParams, build_graph
@@ -54,6 +55,20 @@ def _run(engine, requests, watch=None):
     return [o.token_ids for o in _outputs(engine, requests, watch)]
 
 
+def _draft_keys_at_start(engine, requests):
+    """Outputs, and per request the draft's layer-0 keys over its KV positions as it starts
+    decoding (local backend, model drafts)."""
+    drafter = engine.scheduler.executor.drafter
+    seen = {}
+
+    def watch(sched):
+        for r in sched.running:
+            seen.setdefault(r.rid, drafter.kv.k[0][torch.tensor(r.slots)].clone())
+
+    outs = _outputs(engine, requests, watch)
+    return outs, [seen[o.request_id] for o in outs]
+
+
 def _assert_kv_back(sched):
     assert sched.num_free_slots == sched.config.kv_slots
     assert not sched.prefilling and not sched.running and not sched.waiting
@@ -98,13 +113,21 @@ def test_prefix_cache_hits_are_lossless(request, algorithm, draft, topk, n, step
                for i in range(4)]
     cache = cached.scheduler.cache
     hits_before = cache.hit_tokens
-    with_cache, without = _outputs(cached, second), _outputs(plain, second)
+    # Prompts that leave the cached shared prefix where the cached ones went on differently.
+    second += [(shared + [i + 9, i + 3], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+               for i in range(4)]
+    _run(cached, second[-8:-4])
+    if draft:
+        # The draft finds at every cached position the KV a full prefill writes (an EAGLE entry
+        # pairs a token with the next one, which differs where cached prompts diverge).
+        with_cache, keys = _draft_keys_at_start(cached, second)
+        without, plain_keys = _draft_keys_at_start(plain, second)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(keys, plain_keys))
+    else:
+        with_cache, without = _outputs(cached, second), _outputs(plain, second)
     assert [o.token_ids for o in with_cache] == [o.token_ids for o in without]
-    # The draft finds what it needs at cached positions (its KV pairs each token with the next):
-    # it proposes, and the target accepts, exactly what it does without the cache.
     assert [o.accept_lens for o in with_cache] == [o.accept_lens for o in without]
-    # Every second turn finds its whole first turn but the last token (not in the KV), and the
-    # shared prompts their common prefix once one of them finished.
+    # Every second turn finds its whole first turn but the last token (not in the KV).
     assert cache.hit_tokens - hits_before >= sum(len(p) + len(a) - 1 for (p, _), a in zip(first, answers))
     _assert_kv_back(cached.scheduler)
     small = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7)
