@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from spec.sampling import SamplingParams
@@ -81,7 +82,14 @@ class Request:
         self.num_verify_steps = 0
         self.accept_lens: list[int] = []
         self.draft_depths: list[int] = []  # per decode step: draft levels its tree could reach (0: plain)
-        self.reserved = 0  # KV slots reserved for this request's lifetime
+        # KV on demand: the prefix cache owns the first `num_cached` slots (held through
+        # `cache_node`), the request the rest; a preempted request holds none and recomputes.
+        self.num_cached = 0
+        self.cache_node = None
+        self.admit_seq = -1  # admission order (the newest running request is preempted first)
+        self.num_preemptions = 0
+        self.arrival = time.monotonic()
+        self.queue_wait_s: float | None = None  # arrival to first admission
         self.stop_ids = params.stop_ids(eos_ids)  # ids that end the output (EOS unless ignored, stop_token_ids)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.logprobs_emitted = 0  # entries of `logprobs` handed out with stream deltas
@@ -89,6 +97,15 @@ class Request:
     @property
     def seq_len(self) -> int:
         return len(self.slots)
+
+    def kv_tokens(self) -> tuple[list[int], int]:
+        """The tokens a (re-)prefill writes to the KV cache and the known token after them
+        (-1: the prefill samples it). With output, that is prompt + output but the last token,
+        which is not in the KV (it is the next step's root) and is known, so a recomputed
+        request (preempted, or refilled after an actor restart) samples nothing twice."""
+        if self.output_ids:
+            return self.prompt_ids + self.output_ids[:-1], self.output_ids[-1]
+        return self.prompt_ids, -1
 
     @property
     def max_new_tokens(self) -> int:

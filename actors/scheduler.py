@@ -1,8 +1,9 @@
 """Scheduler: request queue, continuous batching, KV slot accounting and the step loop.
 
-Each step is either a prefill step (new requests join: the target extends over their
-prompts, the draft catches up, their DraftInput rows are merged into the running batch) or
-a decode step (draft propose -> target verify -> draft extend over the running batch).
+Each step is either a prefill step (chunks of prompts within a token budget: the target
+extends over them from wherever their KV ends, the draft catches up; a request whose prompt is
+complete joins the running batch with its DraftInput row) or a decode step (draft propose ->
+target verify -> draft extend over the running batch).
 Every phase runs every step; the one with no work gets an idle input from `spec/`, exactly
 as the compiled Ray graph will run it. The executor that runs a step is pluggable: local
 calls in one process, or a Ray compiled graph.
@@ -10,17 +11,19 @@ calls in one process, or a Ray compiled graph.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from actors.cost_model import TreeSizePolicy
+from actors.prefix_cache import PrefixCache
 from actors.request import IncrementalDetokenizer, Request
 from actors.slots import SlotAllocator
 from spec.algorithm import SpecAlgorithm
@@ -39,6 +42,7 @@ class StepPlan:
     meta: BatchMeta
     draft_input: DraftInput
     rows: list[int] | None = None  # decode of these running rows only (isolating a failure); None: all
+    admitted: list[Request] = field(default_factory=list)  # prefill: requests it took off the queue
 
 
 class StepExecutor(Protocol):
@@ -54,8 +58,9 @@ class SchedulerConfig:
     hidden_spec: HiddenStateSpec | None  # the draft's recurrent hidden state
     kv_slots: int
     max_running_requests: int
-    max_prefill_tokens: int
+    max_num_batched_tokens: int  # tokens one prefill step carries (chunked prefill)
     max_model_len: int
+    prefix_cache: bool = True
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
     draft_depth: int = 0  # draft levels of a full tree (num_steps; 0 without speculation)
@@ -66,20 +71,41 @@ class SchedulerConfig:
     disable_by_batch_size: int | None = None
 
 
+@dataclass
+class SchedulerStats:
+    """Counters for /metrics (plain numbers, summed over ranks)."""
+
+    preemptions: int = 0  # requests freed and requeued to make room
+    step_tokens: int = 0  # tokens the last step carried (prefill chunk tokens, or decode verify rows)
+    queue_wait_s: float = 0.0  # arrival to first admission, summed over admitted requests
+    admitted: int = 0
+
+
 class Scheduler:
+    """Requests move waiting -> prefilling -> running. A step is a decode of the running batch or
+    a prefill of prompt chunks within `max_num_batched_tokens`; when both have work they
+    alternate, so a long prompt prefills over several steps while the running requests keep
+    decoding. KV is allocated as requests grow; when the pool runs short the newest request is
+    preempted (its KV goes to the prefix cache or the pool, it waits at the front of the queue and
+    is recomputed), so nothing is reserved up front and no big request blocks admission."""
+
     def __init__(self, config: SchedulerConfig, executor: StepExecutor, tokenizer, eos_ids: set[int]):
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.slots = SlotAllocator(config.kv_slots)
+        self.cache = PrefixCache(self.slots.free) if config.prefix_cache else None
         self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []  # admitted, their prompt KV partly written (chunks)
         self.running: list[Request] = []
         self.draft_input = self._idle_draft_input()
-        self.reserved = 0
+        self.stats = SchedulerStats()
         self._inflight: StepPlan | None = None  # planned, not yet committed
         self._failed: list[Request] = []  # failed outside a step's own requests, not yet reported
         self._next_rid = 0
+        self._admissions = itertools.count()
+        self._last_kind = "idle"
         self._rng = random.SystemRandom()
         self.vocab_size = config.vocab_size or len(tokenizer)
         self.policy = TreeSizePolicy(config.tree_size, config.draft_depth, config.adaptive,
@@ -108,11 +134,12 @@ class Scheduler:
         params.check_vocab(self.vocab_size)
         request = Request(rid, list(prompt_ids), params, seed, IncrementalDetokenizer(self.tokenizer),
                           self.eos_ids, limit)
-        request.reserved = len(prompt_ids) + request.max_new_tokens + 2 * self.per_step_slots
-        if request.reserved > self.config.kv_slots:
+        # Nothing is reserved; a request whose full length would not fit even alone can never finish.
+        need = len(prompt_ids) + request.max_new_tokens + 2 * self.per_step_slots
+        if need > self.config.kv_slots:
             raise ValueError(
                 f"prompt: {len(prompt_ids)} tokens plus max_tokens {params.max_tokens} need "
-                f"{request.reserved} KV slots, more than the pool's {self.config.kv_slots}"
+                f"{need} KV slots, more than the pool's {self.config.kv_slots}"
             )
         self.waiting.append(request)
         return rid
@@ -124,6 +151,12 @@ class Scheduler:
                 self.waiting.remove(request)
                 request.finish_reason = "abort"
                 return True
+        for request in self.prefilling:
+            if request.rid == rid:
+                request.finish_reason = "abort"
+                self.prefilling.remove(request)
+                self._drop_kv(request)
+                return True
         for i, request in enumerate(self.running):
             if request.rid == rid:
                 request.finish_reason = "abort"
@@ -132,17 +165,26 @@ class Scheduler:
         return False
 
     def find(self, rid: int) -> Request:
-        for request in (*self.waiting, *self.running):
+        for request in (*self.waiting, *self.prefilling, *self.running):
             if request.rid == rid:
                 return request
         raise KeyError(f"request {rid} is not queued or running")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     @property
     def num_free_slots(self) -> int:
-        return self.slots.num_free
+        """Slots free for new KV: the pool's plus the cached ones no request uses (evictable)."""
+        return self.slots.num_free + self._evictable
+
+    @property
+    def _evictable(self) -> int:
+        return 0 if self.cache is None else self.cache.num_evictable
+
+    @property
+    def num_cached_slots(self) -> int:
+        return 0 if self.cache is None else self.cache.num_cached
 
     # ---- the step loop --------------------------------------------------------------
 
@@ -173,25 +215,40 @@ class Scheduler:
                         self._idle_draft_input())
 
     def plan(self) -> "StepPlan":
-        """Choose this step's work and allocate its KV slots: a prefill of newly admitted
-        requests, a decode of the running batch, or an idle step (inputs from spec/). A
-        request that cannot be planned (alone) fails alone; the step goes on without it."""
-        admitted = self._admit()
+        """Choose this step's work and allocate its KV slots: prefill chunks, a decode of the
+        running batch, or an idle step (inputs from spec/). A request that cannot be planned
+        (alone) fails alone; the step goes on without it."""
+        prefill = self._prefill_turn()
         try:
-            if admitted:
-                self._inflight = self._plan_prefill(admitted)
-            elif self.running:
-                self._inflight = self._plan_decode()
-            else:
-                self._inflight = self.idle_plan()
+            plan = self._plan_prefill() if prefill else None
+            if plan is None and self.running:
+                plan = self._plan_decode()
+            if plan is None and self.prefilling and not self.running:
+                self._preempt_newest()  # partial prompts hold the pool and none can grow: requeue one
+                return self.plan()
+            self._inflight = plan or self.idle_plan()
         except Exception:  # noqa: BLE001 - _plan_* undid their allocations
-            bad = self._unplannable(admitted or list(self.running))
+            bad = self._unplannable(self.prefilling + list(self.waiting) if prefill else list(self.running))
             if not bad:
                 raise
             for request, exc in bad:
                 self.fail_request(request, exc)
             return self.plan()
+        self._last_kind = self._inflight.kind
+        self.stats.step_tokens = self._step_tokens(self._inflight)
         return self._inflight
+
+    def _prefill_turn(self) -> bool:
+        """Prefill when there are prompts to extend, alternating with decode steps while requests run."""
+        room = len(self.running) + len(self.prefilling) < self.config.max_running_requests
+        work = bool(self.prefilling) or (bool(self.waiting) and room)
+        return work and (not self.running or self._last_kind != "prefill")
+
+    @staticmethod
+    def _step_tokens(plan: "StepPlan") -> int:
+        if plan.kind == "prefill":
+            return int(plan.meta.prefill_lens.sum())
+        return int(plan.meta.verify_slots.numel())
 
     def _unplannable(self, requests: list[Request]) -> list[tuple[Request, Exception]]:
         """Plan each request alone (and undo it): the ones that raise, with what they raised."""
@@ -206,13 +263,15 @@ class Scheduler:
         return bad
 
     def plan_alone(self, request: Request) -> "StepPlan":
-        """A step of `request` alone: its prefill when it waits, else a decode of its row."""
+        """A step of `request` alone: its next prefill chunk when it waits or prefills, else a
+        decode of its row."""
         if any(r is request for r in self.running):
             self._inflight = self._plan_decode([next(i for i, r in enumerate(self.running) if r is request)])
         else:
-            self.waiting.remove(request)
-            self.reserved += request.reserved
-            self._inflight = self._plan_prefill([request])
+            plan = self._plan_prefill(only=request)
+            if plan is None:
+                raise RuntimeError(f"KV pool exhausted: no room for request {request.rid}'s prefill")
+            self._inflight = plan
         return self._inflight
 
     def isolate(self, requests: list[Request], run, is_request_error=lambda exc: True) -> list[Request]:
@@ -242,12 +301,14 @@ class Scheduler:
         return progressed + self.take_failed()
 
     def fail_request(self, request: Request, exc: BaseException) -> None:
-        """End one request with an error wherever it is (queued or running) and free its slots."""
+        """End one request with an error wherever it is (queued, prefilling or running) and free its slots."""
         request.fail(f"{type(exc).__name__}: {exc}")
         if any(r is request for r in self.waiting):
             self.waiting.remove(request)
-        rows = [i for i, r in enumerate(self.running) if r is request]
-        self._retire(rows)
+        if any(r is request for r in self.prefilling):
+            self.prefilling.remove(request)
+            self._drop_kv(request)
+        self._retire([i for i, r in enumerate(self.running) if r is request])
         self._failed.append(request)
 
     def commit(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput,
@@ -257,31 +318,53 @@ class Scheduler:
         `seconds`: the step's wall time (the tree-size policy learns from decode steps)."""
         self._inflight = None
         if plan.kind == "prefill":
-            for request, tokens, logprobs in zip(plan.requests, ext.new_token_ids(), ext.new_logprobs()):
-                request.num_verify_steps += 1
-                self._append(request, tokens, logprobs)
-            self.running.extend(plan.requests)
-            self.draft_input = self.draft_input.merge(draft_input)
+            progressed = self._commit_prefill(plan, ext, draft_input)
         elif plan.kind == "decode":
-            if plan.rows is None:
-                self.draft_input = draft_input
-            else:  # a subset stepped: its rows go first, the others keep theirs
-                others = [i for i in range(len(self.running)) if i not in plan.rows]
-                self.draft_input = draft_input.merge(self.draft_input.filter(others))
-                self.running = [self.running[i] for i in plan.rows] + [self.running[i] for i in others]
-            self.slots.free(plan.meta.scratch_slots.reshape(-1))
-            committed = torch.split(ext.slots, ext.extend_lens.tolist())
-            for b, (request, kept, tokens, logprobs) in enumerate(
-                    zip(plan.requests, committed, ext.new_token_ids(), ext.new_logprobs())):
-                keep = set(kept.tolist())
-                self.slots.free([x for x in plan.meta.verify_slots[b].tolist() if x not in keep])
-                request.slots.extend(kept.tolist())
-                request.num_verify_steps += 1
-                request.accept_lens.append(len(tokens) - 1)
-                self._append(request, tokens, logprobs)
+            progressed = list(plan.requests)
+            self._commit_decode(plan, ext, draft_input)
             self._observe_decode(plan, ext, seconds)
+        else:
+            progressed = []
         self._retire_finished()
-        return list(plan.requests)
+        return progressed
+
+    def _commit_prefill(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput) -> list[Request]:
+        """Chunks join their requests' KV; requests whose prompt is complete start running with
+        their first token (a recomputed request already has it) and their DraftInput row."""
+        done = []
+        for b, request in enumerate(plan.requests):
+            tokens, _ = request.kv_tokens()
+            request.slots.extend(plan.meta.prefill_slots[b, : int(plan.meta.prefill_lens[b])].tolist())
+            if len(request.slots) == len(tokens):
+                done.append(b)
+        new_tokens, new_logprobs = ext.new_token_ids(), ext.new_logprobs()
+        for b in done:
+            request = plan.requests[b]
+            self.prefilling.remove(request)
+            if not request.output_ids:
+                request.num_verify_steps += 1
+                self._append(request, new_tokens[b], new_logprobs[b])
+            self.running.append(request)
+        self.draft_input = self.draft_input.merge(draft_input.filter(done))
+        return [plan.requests[b] for b in done]
+
+    def _commit_decode(self, plan: "StepPlan", ext: DraftExtendInput, draft_input: DraftInput) -> None:
+        if plan.rows is None:
+            self.draft_input = draft_input
+        else:  # a subset stepped: its rows go first, the others keep theirs
+            others = [i for i in range(len(self.running)) if i not in plan.rows]
+            self.draft_input = draft_input.merge(self.draft_input.filter(others))
+            self.running = [self.running[i] for i in plan.rows] + [self.running[i] for i in others]
+        self.slots.free(plan.meta.scratch_slots.reshape(-1))
+        committed = torch.split(ext.slots, ext.extend_lens.tolist())
+        for b, (request, kept, tokens, logprobs) in enumerate(
+                zip(plan.requests, committed, ext.new_token_ids(), ext.new_logprobs())):
+            keep = set(kept.tolist())
+            self.slots.free([x for x in plan.meta.verify_slots[b].tolist() if x not in keep])
+            request.slots.extend(kept.tolist())
+            request.num_verify_steps += 1
+            request.accept_lens.append(len(tokens) - 1)
+            self._append(request, tokens, logprobs)
 
     @staticmethod
     def _append(request: Request, tokens: list[int], logprobs: list | None) -> None:
@@ -291,19 +374,68 @@ class Scheduler:
             log.warning("request %s failed committing its tokens: %s", request.rid, exc)
             request.fail(f"{type(exc).__name__}: {exc}")
 
-    def _admit(self) -> list[Request]:
-        admitted, tokens = [], 0
-        while self.waiting and len(self.running) + len(admitted) < self.config.max_running_requests:
-            request = self.waiting[0]
-            if self.reserved + request.reserved > self.config.kv_slots:
-                break  # wait until running requests finish and release their reservation
-            if admitted and tokens + len(request.prompt_ids) > self.config.max_prefill_tokens:
-                break
-            self.waiting.popleft()
-            self.reserved += request.reserved
-            tokens += len(request.prompt_ids)
-            admitted.append(request)
-        return admitted
+    # ---- KV on demand ---------------------------------------------------------------
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """n slots from the pool, evicting unused cached prefixes first when it is short: a
+        sixteenth of the pool at least, as an eviction walks the whole tree."""
+        if n > self.slots.num_free and self.cache is not None:
+            self.cache.evict(max(n - self.slots.num_free, self.config.kv_slots // 16))
+        return self.slots.alloc(n)
+
+    def _admit(self, request: Request) -> None:
+        """Take the longest cached prefix of the request's tokens (at least its last token is left
+        to compute: its logits, and the draft's input there, come from that forward)."""
+        tokens, known_next = request.kv_tokens()
+        request.admit_seq = next(self._admissions)
+        if request.queue_wait_s is None:
+            request.queue_wait_s = time.monotonic() - request.arrival
+            self.stats.queue_wait_s += request.queue_wait_s
+            self.stats.admitted += 1
+        if self.cache is None:
+            return
+        node, slots = self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)
+        self.cache.lock(node)
+        request.cache_node, request.slots, request.num_cached = node, slots, len(slots)
+        self.cache.query_tokens += len(tokens)
+        self.cache.hit_tokens += len(slots)
+
+    def _drop_kv(self, request: Request, keep: bool = False) -> None:
+        """Give back a request's KV. With `keep` (its committed tokens are final, e.g. finished
+        or preempted) the positions go to the prefix cache; the slots it does not take (cached
+        already, or past the last token known to follow) go to the pool."""
+        own = request.slots[request.num_cached :]
+        if self.cache is not None:
+            if keep:
+                known = request.prompt_ids + request.output_ids
+                n = min(len(request.slots), len(known) - 1)
+                own = self.cache.insert(known, request.slots[:n]) + request.slots[n:]
+            if request.cache_node is not None:
+                self.cache.unlock(request.cache_node)
+        self.slots.free(own)
+        request.slots, request.num_cached, request.cache_node = [], 0, None
+
+    def _preempt_newest(self) -> None:
+        """Requeue the most recently admitted running or prefilling request at the front of the
+        queue (before every newer request), its KV given back: it is recomputed when resumed."""
+        victim = max(self.running + self.prefilling, key=lambda r: r.admit_seq)
+        if any(r is victim for r in self.prefilling):
+            self.prefilling.remove(victim)
+        else:
+            row = next(i for i, r in enumerate(self.running) if r is victim)
+            self.running.pop(row)
+            self.draft_input = self.draft_input.filter([i for i in range(len(self.running) + 1) if i != row])
+        self._drop_kv(victim, keep=True)
+        victim.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(victim)
+        log.info("preempted request %s (KV pool short)", victim.rid)
+
+    def _room(self) -> int:
+        """Slots a prefill may take: free and evictable ones, less the running batch's next decode step."""
+        return self.num_free_slots - self.per_step_slots * len(self.running)
+
+    # ---- planning -------------------------------------------------------------------
 
     def _sampling_fields(self, requests: list[Request]) -> dict[str, torch.Tensor]:
         """Every per-request sampling input of BatchMeta but the history (see spec.batch)."""
@@ -334,45 +466,88 @@ class Scheduler:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)
         return out
 
-    def _prefill_meta(self, requests: list[Request], tokens: list[list[int]], slots: list[list[int]],
-                      next_token: list[int]) -> BatchMeta:
-        batch = len(requests)
-        empty = torch.zeros((batch, 0), dtype=torch.long)
+    def _history(self, requests: list[Request]) -> torch.Tensor:
+        """(B, Lh) prompt + output per request, padded with -1, where a drafter or a penalty reads
+        it; else (B, 0)."""
+        if self.config.needs_history or any(r.params.uses_history for r in requests):
+            return self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
+        return torch.zeros((len(requests), 0), dtype=torch.long)
+
+    def _prefill_meta(self, requests: list[Request], starts: list[int], lens: list[int], slots: list[list[int]]
+                      ) -> BatchMeta:
+        """Extend each request's KV over tokens starts[b]:starts[b] + lens[b] of its kv_tokens()
+        into `slots[b]`, after the request.slots[:starts[b]] already there. The token after a
+        chunk is known (the next prompt token, or a recomputed request's last output token) but
+        at the end of a new prompt, where the target samples it."""
+        chunks, next_token = [], []
+        for request, start, n in zip(requests, starts, lens):
+            tokens, known_next = request.kv_tokens()
+            chunks.append(tokens[start : start + n])
+            next_token.append(tokens[start + n] if start + n < len(tokens) else known_next)
+        empty = torch.zeros((len(requests), 0), dtype=torch.long)
         return BatchMeta(
-            seq_lens=torch.zeros(batch, dtype=torch.long), kv_slots=empty,
-            prefill_lens=torch.tensor([len(t) for t in tokens], dtype=torch.long),
-            prefill_tokens=self._padded(tokens, 0), prefill_slots=self._padded(slots, 0),
+            seq_lens=torch.tensor(starts, dtype=torch.long),
+            kv_slots=self._padded([r.slots[:s] for r, s in zip(requests, starts)], 0),
+            prefill_lens=torch.tensor(lens, dtype=torch.long),
+            prefill_tokens=self._padded(chunks, 0), prefill_slots=self._padded(slots, 0),
             next_token=torch.tensor(next_token, dtype=torch.long),
-            scratch_slots=empty, verify_slots=empty, history=empty, **self._sampling_fields(requests),
+            scratch_slots=empty, verify_slots=empty, history=self._history(requests),
+            **self._sampling_fields(requests),
         )
 
-    def _plan_prefill(self, requests: list[Request]) -> "StepPlan":
-        """Prefill of admitted requests; on any error its slots are freed and the requests
-        are back at the front of the queue (nothing leaks)."""
+    def _plan_prefill(self, only: Request | None = None) -> "StepPlan | None":
+        """Chunks of at most max_num_batched_tokens in all: the admitted prompts' next chunks
+        oldest first, then newly admitted requests from the front of the queue (each whole chunk
+        must fit the pool: a new request does not start by holding a sliver of it). `only`: that
+        request's next chunk alone (isolating a failure). None when nothing fits. On any error the
+        step's slots are freed and its admissions undone (nothing leaks)."""
+        budget = self.config.max_num_batched_tokens
+        requests, lens, slots, admitted = [], [], [], []
+        reserve = 0 if only is not None else self.per_step_slots * len(self.running)
         try:
-            for request in requests:
-                request.slots = self.slots.alloc(len(request.prompt_ids)).tolist()
-            meta = self._prefill_meta(requests, [r.prompt_ids for r in requests], [r.slots for r in requests],
-                                      [-1] * len(requests))
+            for request in [only] if only is not None else list(self.prefilling) + list(self.waiting):
+                fresh = not any(r is request for r in self.prefilling)
+                if budget == 0 or (fresh and len(self.running) + len(self.prefilling) >= self.config.max_running_requests):
+                    break
+                if fresh:
+                    self.waiting.remove(request)
+                    self._admit(request)
+                    self.prefilling.append(request)
+                    admitted.append(request)
+                remaining = len(request.kv_tokens()[0]) - len(request.slots)
+                n = min(remaining, budget, self.num_free_slots - reserve)
+                if n < 1 or (fresh and n < min(remaining, budget)):
+                    if fresh:
+                        self._unadmit([admitted.pop()])
+                        break
+                    continue
+                slots.append(self._alloc(n).tolist())
+                requests.append(request)
+                lens.append(n)
+                budget -= n
+            if not requests:
+                return None
+            meta = self._prefill_meta(requests, [len(r.slots) for r in requests], lens, slots)
         except Exception:
-            self._unadmit(requests)
+            self.slots.free([s for row in slots for s in row])
+            self._unadmit(admitted)
             raise
-        return StepPlan("prefill", requests, meta, self._idle_draft_input())
+        return StepPlan("prefill", requests, meta, self._idle_draft_input(), admitted=admitted)
 
     def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":
-        """Decode of the running batch (or of `rows` of it); slots are allocated last, so a
-        request whose inputs cannot be built leaks nothing. The verify slots' width is the step's
-        tree size (the policy's choice), the scratch slots only there when it drafts."""
+        """Decode of the running batch (or of `rows` of it). When the pool cannot hold the
+        step's tree and scratch slots, the newest requests are preempted first. Slots are
+        allocated last, so a request whose inputs cannot be built leaks nothing. The verify
+        slots' width is the step's tree size (the policy's choice), the scratch slots only there
+        when it drafts."""
+        if rows is None:
+            while self.num_free_slots < self.per_step_slots * len(self.running) and len(
+                    self.running) + len(self.prefilling) > 1:
+                self._preempt_newest()
         requests = list(self.running) if rows is None else [self.running[i] for i in rows]
         batch = len(requests)
         n = self.policy.choose([r.rid for r in requests], sum(r.seq_len for r in requests))
         s = self.config.scratch_size if n > 1 else 0
-        # Prompt lookup reads the tokens; so do the penalties (verification counts them per node).
-        needs_history = self.config.needs_history or any(r.params.uses_history for r in requests)
-        history = (
-            self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
-            if needs_history else torch.zeros((batch, 0), dtype=torch.long)
-        )
         fields = dict(
             seq_lens=torch.tensor([r.seq_len for r in requests], dtype=torch.long),
             kv_slots=self._padded([r.slots for r in requests], 0),
@@ -380,11 +555,11 @@ class Scheduler:
             prefill_tokens=torch.zeros((batch, 0), dtype=torch.long),
             prefill_slots=torch.zeros((batch, 0), dtype=torch.long),
             next_token=torch.full((batch,), -1, dtype=torch.long),
-            history=history, **self._sampling_fields(requests),
+            history=self._history(requests), **self._sampling_fields(requests),
         )
-        scratch = self.slots.alloc(batch * s).view(batch, s)
+        scratch = self._alloc(batch * s).view(batch, s)
         try:
-            verify = self.slots.alloc(batch * n).view(batch, n)
+            verify = self._alloc(batch * n).view(batch, n)
         except Exception:
             self.slots.free(scratch.reshape(-1))
             raise
@@ -402,12 +577,17 @@ class Scheduler:
                             ext.accept_lens.tolist())
 
     def plan_resync(self) -> "StepPlan":
-        """Re-prefill every running request into fresh runners (after an actor restart):
-        prompt plus output but the last token, which becomes the known next token, so
-        nothing is sampled twice. The same KV slots are rewritten with the same values."""
+        """Re-prefill every running request into fresh runners (after an actor restart), the
+        same recomputation a preempted request gets (Request.kv_tokens): nothing is sampled
+        twice, and the same KV slots are rewritten with the same values. Partly prefilled
+        requests go back to the queue and the prefix cache forgets what no request holds:
+        the runners' KV of both is gone."""
+        self._unadmit(list(self.prefilling))
+        if self.cache is not None:
+            self.cache.clear()
         requests = list(self.running)
-        tokens = [(r.prompt_ids + r.output_ids)[:-1] for r in requests]
-        meta = self._prefill_meta(requests, tokens, [r.slots for r in requests], [r.output_ids[-1] for r in requests])
+        meta = self._prefill_meta(requests, [0] * len(requests), [len(r.slots) for r in requests],
+                                  [r.slots for r in requests])
         return StepPlan("resync", requests, meta, self._idle_draft_input())
 
     def commit_resync(self, plan: "StepPlan", draft_input: DraftInput) -> None:
@@ -415,7 +595,7 @@ class Scheduler:
 
     def release_uncommitted(self) -> "StepPlan | None":
         """Undo the allocations of a planned step that failed (its runners died or raised):
-        slots go back to the pool and admitted requests back to the front of the queue.
+        slots go back to the pool and requests it admitted back to the front of the queue.
         Returns the undone plan."""
         plan, self._inflight = self._inflight, None
         if plan is None:
@@ -424,21 +604,22 @@ class Scheduler:
             self.slots.free(plan.meta.scratch_slots.reshape(-1))
             self.slots.free(plan.meta.verify_slots.reshape(-1))
         elif plan.kind == "prefill":
-            self._unadmit(plan.requests)
+            for b, n in enumerate(plan.meta.prefill_lens.tolist()):
+                self.slots.free(plan.meta.prefill_slots[b, :n])
+            self._unadmit(plan.admitted)
         return plan
 
     def _unadmit(self, requests: list[Request]) -> None:
-        """Admitted requests back to the front of the queue, their slots and reservation freed."""
+        """Prefilling requests back to the front of the queue (in order), their KV given back."""
         for request in reversed(requests):
-            if request.slots:
-                self.slots.free(request.slots)
-            request.slots = []
-            self.reserved -= request.reserved
+            self.prefilling.remove(request)
+            self._drop_kv(request)
             self.waiting.appendleft(request)
 
     def fail_all(self, message: str) -> list[Request]:
         """End every request with an error (the engine cannot serve them); frees everything."""
         self.release_uncommitted()
+        self._unadmit(list(self.prefilling))
         failed = list(self.waiting) + list(self.running)
         for request in failed:
             request.fail(message)
@@ -450,15 +631,14 @@ class Scheduler:
         self._retire([i for i, r in enumerate(self.running) if r.finish_reason is not None])
 
     def _retire(self, rows: list[int]) -> None:
-        """Free finished requests' slots and drop their rows from the batch state."""
+        """Free finished requests' slots (what they computed stays in the prefix cache) and drop
+        their rows from the batch state."""
         if not rows:
             return
         for i in rows:
             request = self.running[i]
             self.policy.forget(request.rid)
-            self.slots.free(request.slots)
-            request.slots = []
-            self.reserved -= request.reserved
+            self._drop_kv(request, keep=request.finish_reason in ("stop", "length"))
         keep = [i for i in range(len(self.running)) if i not in set(rows)]
         self.running = [self.running[i] for i in keep]
         self.draft_input = self.draft_input.filter(keep)
@@ -487,7 +667,7 @@ class DataParallelScheduler:
                 "acceptance_by_depth": [rank.policy.stats.acceptance_by_depth for rank in self.ranks]}
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        rank = min(self.ranks, key=lambda r: (len(r.running) + len(r.waiting), r.reserved))
+        rank = min(self.ranks, key=lambda r: (len(r.running) + len(r.prefilling) + len(r.waiting), -r.num_free_slots))
         rid = self._next_rid
         rank.add_request(prompt_ids, params, rid=rid)
         self._next_rid += 1
@@ -510,6 +690,20 @@ class DataParallelScheduler:
     @property
     def num_free_slots(self) -> int:
         return sum(r.num_free_slots for r in self.ranks)
+
+    def load_stats(self) -> dict[str, int]:
+        """Serving-under-load counters and gauges summed over ranks (for /metrics)."""
+        caches = [r.cache for r in self.ranks if r.cache is not None]
+        return {
+            "preemptions": sum(r.stats.preemptions for r in self.ranks),
+            "step_tokens": sum(r.stats.step_tokens for r in self.ranks),
+            "step_token_budget": sum(r.config.max_num_batched_tokens for r in self.ranks),
+            "queue_wait_ms": int(1000 * sum(r.stats.queue_wait_s for r in self.ranks)),
+            "admitted": sum(r.stats.admitted for r in self.ranks),
+            "prefix_hit_tokens": sum(c.hit_tokens for c in caches),
+            "prefix_query_tokens": sum(c.query_tokens for c in caches),
+            "cached_slots": sum(r.num_cached_slots for r in self.ranks),
+        }
 
     def step(self, lock: AbstractContextManager = nullcontext(), is_request_error=lambda exc: True) -> list[Request]:
         """Plan and commit under `lock`; the runners' work happens outside it, so requests

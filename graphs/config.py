@@ -48,7 +48,11 @@ class EngineConfig:
     num_threads: int | None = None
     kv_slots: int = 16384  # token slots in the KV pool of each rank
     max_running_requests: int = 32
-    max_prefill_tokens: int = 4096
+    # Tokens one prefill step carries (vLLM's name): longer prompts prefill in chunks over several
+    # steps, alternating with decode steps of the running batch, so they never stall it for long.
+    max_num_batched_tokens: int = 512
+    # Keep finished requests' KV in a tree over token ids, reused by requests sharing a prefix.
+    prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Ray backend: resources per actor (GPU actors run on CUDA), placement and graph mode.
     target_num_cpus: float = 1.0
@@ -76,7 +80,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.algorithm = SpecAlgorithm.from_name(self.speculative_algorithm)
-        for name in ("num_steps", "eagle_topk", "dp_size", "kv_slots", "max_running_requests", "max_prefill_tokens"):
+        for name in ("num_steps", "eagle_topk", "dp_size", "kv_slots", "max_running_requests",
+                     "max_num_batched_tokens"):
             value = getattr(self, name)
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -15,13 +15,18 @@ from bisect import bisect_left
 from typing import Iterable
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 PREFIX = "specgraph"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0)
 GAUGE_TTL_S = 15.0  # a replica's gauges count only while it reports
+# What each replica reports of its engine (graphs.scheduler_actor stats): the scheduler's state,
+# and its running totals (preemptions, prefix-cache tokens, queue wait), which add up as gauges do.
+ENGINE_GAUGES = {"running": 0, "waiting": 0, "free_slots": 0, "kv_slots": 0, "cached_slots": 0, "preemptions": 0,
+                 "step_tokens": 0, "step_token_budget": 0, "queue_wait_ms": 0, "admitted": 0,
+                 "prefix_hit_tokens": 0, "prefix_query_tokens": 0}
 
 
 def _histogram(buckets: tuple[float, ...]) -> dict:
@@ -49,7 +54,7 @@ class ServeMetrics:
         self.drafted_by_position: list[int] = []  # [k]: steps that drafted position k (tree depth > k)
         self.steps_by_tree_size: dict[int, int] = {}  # decode steps per tree size the engine chose
         self.draft_depth = 0
-        self.gauges = {"running": 0, "waiting": 0, "free_slots": 0, "kv_slots": 0}
+        self.gauges = dict(ENGINE_GAUGES)
         self.has_gauges = False
         self.version = 0  # bumped on every change: push only when it moved
 
@@ -212,11 +217,28 @@ class _SnapshotCollector:
         for size, n in s.get("steps_by_tree_size", []):
             sizes.add_metric([str(size)], n)
         yield sizes
-        g = s["gauges"] or {"running": 0, "waiting": 0, "free_slots": 0, "kv_slots": 0}
+        g = {**ENGINE_GAUGES, **(s["gauges"] or {})}
         kv = 1.0 - g["free_slots"] / g["kv_slots"] if g["kv_slots"] else 0.0
         yield GaugeMetricFamily(f"{p}_kv_cache_usage", "Fraction of KV slots in use (0..1)", value=kv)
         yield GaugeMetricFamily(f"{p}_num_requests_waiting", "Requests queued in the scheduler", value=g["waiting"])
         yield GaugeMetricFamily(f"{p}_num_requests_running", "Requests in the running batch", value=g["running"])
+        yield GaugeMetricFamily(f"{p}_prefix_cache_slots", "KV slots held by the prefix cache (evictable when "
+                                "no request uses them)", value=g["cached_slots"])
+        yield CounterMetricFamily(f"{p}_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=g["prefix_query_tokens"])
+        yield CounterMetricFamily(f"{p}_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=g["prefix_hit_tokens"])
+        hit = g["prefix_hit_tokens"] / g["prefix_query_tokens"] if g["prefix_query_tokens"] else 0.0
+        yield GaugeMetricFamily(f"{p}_prefix_cache_hit_rate", "Share of prompt tokens served from the prefix cache",
+                                value=hit)
+        yield CounterMetricFamily(f"{p}_num_preemptions", "Requests preempted (KV freed, requeued, recomputed)",
+                                  value=g["preemptions"])
+        yield GaugeMetricFamily(f"{p}_step_tokens", "Tokens the last step carried (prefill chunk tokens or "
+                                "verify rows)", value=g["step_tokens"])
+        yield GaugeMetricFamily(f"{p}_step_token_budget", "Prefill tokens a step may carry (max_num_batched_tokens)",
+                                value=g["step_token_budget"])
+        yield SummaryMetricFamily(f"{p}_queue_wait_seconds", "Time from arrival to admission (first scheduled)",
+                                  count_value=g["admitted"], sum_value=g["queue_wait_ms"] / 1000)
 
 
 def render(snapshot: dict, prefix: str = PREFIX) -> str:

@@ -141,6 +141,7 @@ class SchedulerActor:
                 "execute_s": self.dp.execute_s,
                 "executed_steps": self.dp.executed_steps,
                 **self.dp.tree_size_stats(),
+                **self.dp.load_stats(),
             }
 
     def health(self) -> str | None:

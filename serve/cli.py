@@ -50,6 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--kv-slots", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prompt tokens one prefill step carries; longer prompts prefill in chunks (512)")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV of earlier requests' shared prefixes (on by default)")
     p.add_argument("--dtype", default="auto",
                    help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with AMX/AVX512-BF16)")
     p.add_argument("--api-key", default=None,

@@ -58,8 +58,8 @@ class ServeSettings:
     replica_num_cpus: float = 0.1  # the engine replica's own bundle (the graph's bundles follow)
     max_body_bytes: int = 1 << 20
     retry_after_s: int = 1
-    # max_tokens of chat requests that set none (OpenAI: up to the context). The scheduler
-    # reserves KV for a request's whole budget, so a cap lets more such requests run at once.
+    # max_tokens of chat requests that set none (OpenAI: up to the context). KV is allocated as
+    # requests grow, so this caps answer length only.
     default_max_tokens: Optional[int] = None
     health_stall_s: float = 900.0  # an engine silent this long is unhealthy (Serve replaces the replica)
 

@@ -178,9 +178,15 @@ def _per_row(meta: "BatchMeta", repeat: int) -> dict[str, torch.Tensor]:
 
 
 def prefill_processor_rows(meta: "BatchMeta") -> ProcessorRows:
-    """One row per request: the first output token follows the whole prompt (the prefill tokens)."""
-    cols = torch.arange(meta.prefill_tokens.shape[1])
-    prompt = torch.where(cols < meta.prefill_lens.unsqueeze(1), meta.prefill_tokens, -1)  # (B, P)
+    """One row per request: the first output token follows the whole prompt, which is the
+    history's head where the scheduler sends it (a chunk or a cached prefix leaves part of the
+    prompt out of the prefill tokens), else the prefill tokens."""
+    if meta.history.shape[1]:
+        cols = torch.arange(meta.history.shape[1])
+        prompt = torch.where(cols < meta.prompt_lens.unsqueeze(1), meta.history, -1)  # (B, Lh)
+    else:
+        cols = torch.arange(meta.prefill_tokens.shape[1])
+        prompt = torch.where(cols < meta.prefill_lens.unsqueeze(1), meta.prefill_tokens, -1)  # (B, P)
     return ProcessorRows(prompt_tokens=prompt, output_tokens=prompt[:, :0], num_output=meta.num_output,
                          **_per_row(meta, 1))
 

@@ -18,7 +18,7 @@ def engine(tiny_target, tiny_eagle3_own):
     # A small prefill budget, so requests join over several steps while others decode.
     return build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="eagle3",
                                     draft_model=str(tiny_eagle3_own), eagle_topk=2, num_draft_tokens=6,
-                                    kv_slots=4096, max_prefill_tokens=24))
+                                    kv_slots=4096, max_num_batched_tokens=24))
 
 
 def _good() -> list[tuple[list[int], SamplingParams]]:
@@ -82,7 +82,7 @@ def test_a_poison_request_fails_alone(engine, reference, monkeypatch, where):
     assert [o.token_ids for o in outs] == reference
     assert all(o.finish_reason == "length" for o in outs)
     assert scheduler.num_free_slots == free_before == scheduler.config.kv_slots
-    assert scheduler.reserved == 0 and not scheduler.waiting and not scheduler.running
+    assert not scheduler.prefilling and not scheduler.waiting and not scheduler.running
     monkeypatch.undo()
     assert [o.token_ids for o in engine.generate_each(good)] == reference  # the engine serves on
 

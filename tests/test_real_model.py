@@ -83,3 +83,22 @@ def test_greedy_matches_plain_decoding(drafts, reference, algorithm, draft, topk
     if draft in SHIPPED_MIN_ACCEPTANCE:  # a trained draft: well above the 1.0 of a useless one
         accepted = sum(o.num_output_tokens for o in outs) / sum(o.num_verify_steps for o in outs)
         assert accepted > SHIPPED_MIN_ACCEPTANCE[draft]
+
+
+def test_chunks_preemption_and_cache_hits_stay_lossless(reference):
+    """The shipped EAGLE-3 tree under a 16-token prefill budget, a 160-slot pool (preemptions)
+    and the prefix cache: first turns equal plain decoding, and second turns, which find their
+    first turn cached, equal a cache-less plain run."""
+    draft = dict(speculative_algorithm="EAGLE3", draft_model="smollm2-135m-instruct-eagle3", eagle_topk=4,
+                 num_draft_tokens=8)
+    engine = build_graph(EngineConfig(model=DEFAULT, kv_slots=160, max_num_batched_tokens=16, **draft))
+    outs = _run(engine)
+    assert [o.token_ids for o in outs] == reference
+    assert engine.scheduler.stats.preemptions > 0
+    second = [c + [{"role": "assistant", "content": o.text}, {"role": "user", "content": "Shorter, please."}]
+              for c, o in zip(CONVERSATIONS, outs)]
+    plain = _engine(prefix_cache=False)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    assert [o.token_ids for o in engine.chat(second, params)] == [o.token_ids for o in plain.chat(second, params)]
+    assert engine.scheduler.cache.hit_tokens > sum(len(o.token_ids) for o in outs)
+    assert engine.scheduler.num_free_slots == 160

@@ -215,8 +215,9 @@ def test_metrics_merge_and_render():
     a.record_finished(RequestOutput(0, [1] * 6, "", "length", 4, 6, 3, [2, 3], [3, 3]), 0.0, 1.0)
     # Adaptive speculation: a plain step (depth 0) and a two-level tree draft fewer positions.
     b.record_finished(RequestOutput(1, [1] * 5, "", "length", 4, 5, 3, [0, 2, 0], [0, 2, 3]), 0.0, 1.0)
-    b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100,
-                        "steps_by_tree_size": {1: 5, 4: 2}})
+    b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100, "preemptions": 3,
+                        "prefix_hit_tokens": 30, "prefix_query_tokens": 120, "queue_wait_ms": 1500, "admitted": 3,
+                        "step_tokens": 40, "step_token_budget": 512, "steps_by_tree_size": {1: 5, 4: 2}})
     families = {f.name: f for f in text_string_to_metric_families(render(merge([a.snapshot(), b.snapshot()])))}
     assert families["specgraph_requests"].samples[0].value == 2
     # accepted over drafted per position: (2 + 1) / (2 + 2), (2 + 1) / (2 + 2), 1 / (2 + 1)
@@ -228,6 +229,11 @@ def test_metrics_merge_and_render():
     assert sizes == {"1": 5, "4": 2}
     assert families["specgraph_kv_cache_usage"].samples[0].value == 0.25
     assert families["specgraph_num_requests_waiting"].samples[0].value == 2
+    assert families["specgraph_prefix_cache_hit_rate"].samples[0].value == 0.25
+    assert families["specgraph_num_preemptions"].samples[0].value == 3
+    assert families["specgraph_step_token_budget"].samples[0].value == 512
+    wait = {s.name: s.value for s in families["specgraph_queue_wait_seconds"].samples}
+    assert wait["specgraph_queue_wait_seconds_sum"] == 1.5 and wait["specgraph_queue_wait_seconds_count"] == 3
     hist = {s.name: s.value for s in families["specgraph_acceptance_length"].samples}
     assert hist["specgraph_acceptance_length_count"] == 2
     assert hist["specgraph_acceptance_length_sum"] == pytest.approx(6 / 3 + 5 / 3)

@@ -263,8 +263,8 @@ def main(argv=None) -> None:
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--follow-up-frac", type=float, default=0.1, help="share of greedy answers given a 2nd turn")
     parser.add_argument("--max-running-requests", type=int, default=64, help="requests decoded together (the batch)")
-    parser.add_argument("--max-prefill-tokens", type=int, default=EngineConfig.max_prefill_tokens,
-                        help="prompt tokens admitted per step (raise on a GPU for long document prompts)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                        help="prompt tokens prefilled per step (raise on a GPU for long document prompts)")
     parser.add_argument("--dtype", default="auto", help="engine dtype; auto: bf16 where the hardware runs it natively "
                         "(labels are recomputed by the trainers, see --feature-dtype)")
     parser.add_argument("--kv-slots", type=int, default=0,
@@ -329,7 +329,7 @@ def main(argv=None) -> None:
     spec = dict(speculative_algorithm="EAGLE3", draft_model=args.draft_model, num_steps=args.num_steps) \
         if args.draft_model else {}
     engine = build_graph(EngineConfig(model=args.target, max_running_requests=args.max_running_requests,
-                                      kv_slots=kv_slots, max_prefill_tokens=args.max_prefill_tokens,
+                                      kv_slots=kv_slots, max_num_batched_tokens=args.max_num_batched_tokens,
                                       dtype=args.dtype, num_threads=args.threads, **spec))
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rng = random.Random(args.seed)

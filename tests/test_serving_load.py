@@ -1,0 +1,161 @@
+"""Serving under load stays lossless: chunked prefill, preemption under a short KV pool and
+prefix-cache hits give every request exactly the tokens an unconstrained run gives it (greedy
+and seeded sampling), for EAGLE, EAGLE-3, STANDALONE and NGRAM; KV comes back after each run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from actors.prefix_cache import PrefixCache
+from graphs import EngineConfig, SamplingParams, build_graph
+
+# (algorithm, draft fixture name, eagle_topk, num_draft_tokens, num_steps)
+ALGORITHMS = [
+    ("EAGLE3", "tiny_eagle3_own", 2, 6, 3),
+    ("EAGLE", "tiny_eagle", 1, 4, 3),
+    ("STANDALONE", "tiny_standalone", 2, 6, 3),
+    ("NGRAM", None, 1, 4, 3),
+]
+UNCONSTRAINED = dict(kv_slots=4096, max_num_batched_tokens=4096, prefix_cache=False)
+
+
+def _engine(request, algorithm, draft, topk, n, steps, **kw):
+    draft_path = request.getfixturevalue(draft) if draft else None
+    return build_graph(EngineConfig(
+        model=str(request.getfixturevalue("tiny_target")), speculative_algorithm=algorithm,
+        draft_model=draft_path and str(draft_path), eagle_topk=topk, num_draft_tokens=n, num_steps=steps, **kw))
+
+
+def _workload(seed: int = 0) -> list[tuple[list[int], SamplingParams]]:
+    """8 requests, prompts of 3 to 45 tokens, greedy and seeded sampling."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(8):
+        prompt = [rng.randrange(1, 64) for _ in range(3 + (i * 6) % 43)]
+        out.append((prompt, SamplingParams(max_tokens=12 + i % 3 * 5, temperature=0.0 if i % 2 else 0.9,
+                                           seed=7 + i, ignore_eos=True)))
+    return out
+
+
+def _outputs(engine, requests, watch=None):
+    """Submit every request at once and step to the end; `watch(scheduler)` after each step."""
+    sched = engine.scheduler
+    reqs = [sched.find(sched.add_request(p, params)) for p, params in requests]
+    while sched.has_unfinished():
+        sched.step()
+        if watch:
+            watch(sched)
+    return [r.output() for r in reqs]
+
+
+def _run(engine, requests, watch=None):
+    return [o.token_ids for o in _outputs(engine, requests, watch)]
+
+
+def _draft_keys_at_start(engine, requests):
+    """Outputs, and per request the draft's layer-0 keys over its KV positions as it starts
+    decoding (local backend, model drafts)."""
+    drafter = engine.scheduler.executor.drafter
+    seen = {}
+
+    def watch(sched):
+        for r in sched.running:
+            seen.setdefault(r.rid, drafter.kv.k[0][torch.tensor(r.slots)].clone())
+
+    outs = _outputs(engine, requests, watch)
+    return outs, [seen[o.request_id] for o in outs]
+
+
+def _assert_kv_back(sched):
+    assert sched.num_free_slots == sched.config.kv_slots
+    assert not sched.prefilling and not sched.running and not sched.waiting
+    assert sched.cache is None or sched.cache.num_locked == 0
+
+
+@pytest.mark.parametrize("algorithm,draft,topk,n,steps", ALGORITHMS)
+def test_chunked_prefill_and_preemption_are_lossless(request, algorithm, draft, topk, n, steps):
+    """A token budget of 7 prefills the long prompts over several steps while others decode, and
+    a pool of 150 slots (the requests want ~400) preempts and recomputes: same tokens."""
+    spec = (algorithm, draft, topk, n, steps)
+    reference = _run(_engine(request, *spec, **UNCONSTRAINED), _workload())
+    engine = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7, prefix_cache=False)
+    seen = {"mixed": False, "front": True}
+
+    def watch(sched):
+        seen["mixed"] |= bool(sched.prefilling and sched.running)
+        # A preempted request waits before every request that never ran (no starvation).
+        started = [r.admit_seq >= 0 for r in sched.waiting]
+        seen["front"] &= started == sorted(started, reverse=True)
+
+    assert _run(engine, _workload(), watch) == reference
+    assert engine.scheduler.stats.preemptions > 0
+    assert seen["mixed"] and seen["front"]
+    _assert_kv_back(engine.scheduler)
+
+
+@pytest.mark.parametrize("algorithm,draft,topk,n,steps", ALGORITHMS)
+def test_prefix_cache_hits_are_lossless(request, algorithm, draft, topk, n, steps):
+    """Second turns (first prompt + its answer + more) and prompts sharing a long prefix reuse
+    cached KV, also under chunking and preemption, and get the tokens a cache-less run gets."""
+    spec = (algorithm, draft, topk, n, steps)
+    first = _workload(1)
+    shared = [7, 3, 9, 12, 40, 41, 5] * 4
+    cached = _engine(request, *spec, kv_slots=4096, max_num_batched_tokens=16)
+    plain = _engine(request, *spec, **UNCONSTRAINED)
+    answers = _run(cached, first)
+    assert answers == _run(plain, first)
+    rng = random.Random(2)
+    second = [(p + a + [rng.randrange(1, 64) for _ in range(4)], params) for (p, params), a in zip(first, answers)]
+    second += [(shared + [i + 1, i + 2], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+               for i in range(4)]
+    cache = cached.scheduler.cache
+    hits_before = cache.hit_tokens
+    # Prompts that leave the cached shared prefix where the cached ones went on differently.
+    second += [(shared + [i + 9, i + 3], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+               for i in range(4)]
+    _run(cached, second[-8:-4])
+    if draft:
+        # The draft finds at every cached position the KV a full prefill writes (an EAGLE entry
+        # pairs a token with the next one, which differs where cached prompts diverge).
+        with_cache, keys = _draft_keys_at_start(cached, second)
+        without, plain_keys = _draft_keys_at_start(plain, second)
+        assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(keys, plain_keys))
+    else:
+        with_cache, without = _outputs(cached, second), _outputs(plain, second)
+    assert [o.token_ids for o in with_cache] == [o.token_ids for o in without]
+    assert [o.accept_lens for o in with_cache] == [o.accept_lens for o in without]
+    # Every second turn finds its whole first turn but the last token (not in the KV).
+    assert cache.hit_tokens - hits_before >= sum(len(p) + len(a) - 1 for (p, _), a in zip(first, answers))
+    _assert_kv_back(cached.scheduler)
+    small = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7)
+    _run(small, first)
+    assert _run(small, second) == _run(plain, second)
+    assert small.scheduler.stats.preemptions > 0
+    _assert_kv_back(small.scheduler)
+
+
+def test_prefix_cache_keys_positions_by_token_pairs_and_evicts_lru():
+    freed: list[int] = []
+    cache = PrefixCache(freed.extend)
+    assert cache.insert([1, 2, 3, 4], [10, 11, 12]) == []
+    node, slots = cache.match([1, 2, 3, 4, 5], most=10)
+    assert slots == [10, 11, 12]  # position p matches when tokens p and p + 1 do
+    assert cache.match([1, 2, 3, 9], most=10)[1] == [10, 11]  # position 2's entry pairs 3 with 4
+    assert cache.match([1, 2, 3, 4], most=1)[1] == [10]
+    assert cache.insert([1, 2, 3, 7, 8], [20, 21, 22, 23]) == [20, 21]  # positions 0-1 were cached
+    cache.lock(node)
+    assert cache.evict(10) == 2 and sorted(freed) == [22, 23]  # the locked path stays
+    cache.unlock(node)
+    cache.clear()
+    assert sorted(freed) == [10, 11, 12, 22, 23] and cache.num_cached == 0
+    with pytest.raises(ValueError, match="tokens"):
+        cache.insert([1, 2], [5, 6])
+
+
+def test_step_budget_is_validated_by_name():
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ValueError, match="max_num_batched_tokens"):
+            EngineConfig(max_num_batched_tokens=bad)
