@@ -218,6 +218,12 @@ class DraftRunner:
         if self._pending:  # a reused slot's leftover (its request ended while waiting)
             for slot in ext.slots.tolist():
                 self._pending.pop(slot, None)
+            if meta.is_prefill:
+                # A prefix cache hit can end in tokens whose draft KV still waits (the request that
+                # computed them ended after plain steps): write it before extending past it.
+                rows, prefix, waiting = self._waiting(meta)
+                if rows:
+                    self._catch_up(prefix, waiting)
         return self._write([meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())], ext)
 
     def _write(self, prefix: list[torch.Tensor], ext: DraftExtendInput) -> DraftInput:
@@ -272,9 +278,9 @@ class DraftRunner:
         )
         return self._write(prefix, ext)
 
-    def _caught_up(self, meta: BatchMeta, draft_input: DraftInput) -> DraftInput:
-        """`draft_input` with every request that has waiting tokens caught up (its placeholder row,
-        see `_defer`, replaced by the real one)."""
+    def _waiting(self, meta: BatchMeta) -> tuple[list[int], list[torch.Tensor], list[list[int]]]:
+        """The rows of `meta` whose committed slots end in waiting tokens: each one's prefix before
+        them and the waiting slots."""
         rows, prefix, waiting = [], [], []
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             tail = self._pending_tail(meta.kv_slots[b], seq_len)
@@ -282,6 +288,12 @@ class DraftRunner:
                 rows.append(b)
                 prefix.append(meta.kv_slots[b, : seq_len - len(tail)])
                 waiting.append(tail)
+        return rows, prefix, waiting
+
+    def _caught_up(self, meta: BatchMeta, draft_input: DraftInput) -> DraftInput:
+        """`draft_input` with every request that has waiting tokens caught up (its placeholder row,
+        see `_defer`, replaced by the real one)."""
+        rows, prefix, waiting = self._waiting(meta)
         if not rows:
             return draft_input
         return _with_rows(draft_input, rows, self._catch_up(prefix, waiting))
