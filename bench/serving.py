@@ -20,10 +20,11 @@ def start_local_serve(apps: dict[str, tuple[dict, str]], port: int, spare_cpus: 
     from graphs.config import EngineConfig
     from graphs.runtime import graph_bundles
     from serve.app import build_app
-    from serve.settings import split_args
+    from serve.settings import bound_ray_gcs_env, split_args
 
     needed = sum(b.get("CPU", 0) for args, _ in apps.values()
                  for b in graph_bundles(EngineConfig(**split_args(args)[0], backend="ray"))) + spare_cpus
+    bound_ray_gcs_env()
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), include_dashboard=False,
              log_to_driver=False)
 

@@ -16,6 +16,16 @@ from 15.4 to 20.4 tokens/s at batch 1 and from 55 to 102 at batch 8, and a 4-tok
 
 Only the runners pack their models: packed weights serve forward passes, not training or
 `state_dict()`.
+
+oneDNN builds (JIT-compiles) a product for each input shape and keeps it in two caches keyed by
+shape, PyTorch's ideep LRU (`LRU_CACHE_CAPACITY`) and oneDNN's own primitive cache
+(`ONEDNN_PRIMITIVE_CACHE_CAPACITY`), 1024 entries each by default and ~0.6 MB per entry for the
+EAGLE-3 head's fp32 products. A server's row counts (batch x tree nodes, prompt lengths summed)
+take ever new values, so the caches grew with every new row count: the draft actor's RSS rose
+~25 MiB/min through a 5-minute soak (docs/benchmarks.md, `python -m bench.soak`). PackedLinear
+therefore pads its rows to a few sizes (`padded_rows`): at most 16 + 4 per doubling, so the caches
+stop growing once those are built. oneDNN's blocked product computes each row alike whatever the
+row count above 16 (checked bitwise for fp32 and bf16), so padding changes no result.
 """
 
 from __future__ import annotations
@@ -43,6 +53,20 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+# Row counts up to this run unpadded: decode and verify sizes, where a product costs its weight
+# reads and a padded row would not be free.
+EXACT_ROWS = 16
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up to one of 4 sizes per doubling above EXACT_ROWS (17-20 -> 20, 21-24 -> 24,
+    ..., 33-40 -> 40): under 25% padding, and few distinct shapes for oneDNN to build and cache."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 3)  # a quarter of the power of two below rows
+    return -(-rows // step) * step
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout; x (..., in) -> (..., out)."""
 
@@ -55,7 +79,13 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features)  # (R, in)
+        rows = flat.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])  # (padded, in)
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")[:rows]
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

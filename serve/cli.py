@@ -16,7 +16,7 @@ from graphs.runtime import graph_bundles
 from models.registry import DEFAULT_MODEL
 from serve.app import build_app
 from serve.settings import (
-    API_KEY_ENV, DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION, FALLBACK_SPECULATION, split_args)
+    API_KEY_ENV, DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION, FALLBACK_SPECULATION, bound_ray_gcs_env, split_args)
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 needed = settings.replica_num_cpus + sum(b.get("CPU", 0) for b in graph_bundles(config)) + 0.2
                 num_cpus = ns.num_cpus or max(os.cpu_count() or 1, math.ceil(needed))
+                bound_ray_gcs_env()
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=ns.dashboard)
                 started_ray = True
         serve.start(http_options={"host": ns.host, "port": ns.port})

@@ -36,6 +36,15 @@ ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 METRICS_PUSH_S = 1.0
 API_KEY_ENV = "SPECGRAPH_API_KEY"  # the CLI's default key, and the deploy configs' api_key_env
+# Ray's GCS keeps the events of every task (~3.4 KB each, for the dashboard's task list and the
+# state API) up to 100,000 tasks, and past that the ids of the tasks it dropped, up to 1,000,000
+# per job. A server makes several Serve calls per request and more every second (metrics, long
+# polls), so the GCS's RSS grew 11% in a 5-minute soak; 30,000 actor calls took it from 47 to
+# 149 MB, and with both bounds at 1000 it stays at ~58 MB from the first 5000 on (docs/benchmarks.md).
+# The latest 1000 tasks are enough to debug with. The GCS reads these when Ray starts: the
+# environment of `ray start` (deploy/) or of the first ray.init.
+RAY_GCS_ENV = {"RAY_task_events_max_num_task_in_gcs": "1000",
+               "RAY_task_events_max_dropped_task_attempts_tracked_per_job_in_gcs": "1000"}
 
 
 @dataclass
@@ -88,6 +97,12 @@ class ServeSettings:
         where = (f"environment variable {self.api_key_env} (api_key_env) is not set" if self.api_key_env
                  else "set api_key_env to the name of an environment variable holding the key")
         raise ValueError(f"api_key: serving on {host!r} (not a loopback address) needs an API key; {where}")
+
+
+def bound_ray_gcs_env() -> None:
+    """RAY_GCS_ENV into this process's environment (a value already set wins), before it starts Ray."""
+    for name, value in RAY_GCS_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def is_loopback(host: str) -> bool:

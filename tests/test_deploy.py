@@ -9,7 +9,7 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from serve.settings import split_args
+from serve.settings import RAY_GCS_ENV, split_args
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -87,3 +87,16 @@ def test_ray_dashboard_is_not_on_every_address():
     assert head_params["dashboard-host"] == "$(POD_IP)"
     commands = " ".join(yaml.safe_load((DEPLOY / "cluster.yaml").read_text())["head_start_ray_commands"])
     assert "--dashboard-host=" in commands and "0.0.0.0" not in commands
+
+
+def test_cluster_configs_bound_the_gcs_task_events():
+    """The GCS keeps up to 100,000 tasks' events (and 1,000,000 dropped ids) by default and grew
+    through a soak: every head starts Ray with the bounds the local server uses."""
+    head = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())[
+        "spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in head["env"]}
+    start = next(c for c in yaml.safe_load((DEPLOY / "cluster.yaml").read_text())["head_start_ray_commands"]
+                 if "ray start --head" in c)
+    for name, value in RAY_GCS_ENV.items():
+        assert env[name] == value
+        assert f"{name}={value} " in start.split("ray start")[0]

@@ -1015,7 +1015,7 @@ PACK_TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 @needs_packing
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
-@pytest.mark.parametrize("rows", [0, 1, 8])
+@pytest.mark.parametrize("rows", [0, 1, 8, 17, 37])  # 17 and 37 rows run padded (to 20 and 40)
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_linear(rows, bias, dtype):
     torch.manual_seed(rows)
@@ -1027,6 +1027,26 @@ def test_packed_linear_matches_linear(rows, bias, dtype):
         got = PackedLinear(linear)(x)
     assert got.shape == (rows, 40) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=PACK_TOL[dtype], atol=PACK_TOL[dtype])
+
+
+@needs_packing
+def test_packed_linear_runs_few_row_counts(monkeypatch):
+    """oneDNN builds and caches a product per input shape (~0.6 MB each for the EAGLE-3 head), and
+    a server's row counts (batch x tree nodes, summed prompt lengths) keep taking new values: the
+    draft actor's RSS grew through a whole soak (docs/benchmarks.md). Whatever the rows, the
+    products run on a few shapes: every count up to 16, then 4 per doubling."""
+    shapes = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    def recording(x, *args):
+        shapes.add(tuple(x.shape))
+        return real(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    linear = PackedLinear(torch.nn.Linear(8, 4))
+    for rows in range(1, 1025):
+        assert linear(torch.randn(rows, 8)).shape == (rows, 4)
+    assert len(shapes) == 16 + 4 * 6  # 1..16, then 17-32, ..., 513-1024
 
 
 @needs_packing
