@@ -944,7 +944,8 @@ def test_draft_runner_packs_its_head_and_proposes_a_tree(tiny_target, tiny_eagle
         accept_lens=torch.tensor([0]),
     )
     draft_input = runner.extend(_meta([0], torch.zeros(1, 0, dtype=torch.long)), ext)
-    meta = replace(_meta([n], torch.arange(1, n + 1).unsqueeze(0)), scratch_slots=torch.arange(10, 14).unsqueeze(0))
+    meta = replace(_meta([n], torch.arange(1, n + 1).unsqueeze(0), verify_slots=torch.arange(20, 25).unsqueeze(0)),
+                   scratch_slots=torch.arange(10, 14).unsqueeze(0))  # a 5-node step: the verify width says it
     verify = runner.propose(meta, draft_input)
     assert verify.draft_tokens.shape == (1, 5) and verify.parents[0, 0] == -1
     assert (verify.parents[0, 1:] < torch.arange(1, 5)).all()  # parents come before their children
