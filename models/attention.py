@@ -148,8 +148,10 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D); mask None:
     causal (Q == K, every key a new token).
 
-    bf16/fp16 with a mask on CPU goes to `grouped_attention`: SDPA's CPU flash kernel takes 4-8x
-    its fp32 time there at decode and verify shapes (few queries per request, many requests).
+    bf16/fp16 with a mask on CPU, at most GROUPED_MAX_QUERIES queries per request (decode and
+    verify), goes to `grouped_attention`: SDPA's CPU flash kernel takes 4-8x its fp32 time at those
+    shapes. Longer queries (prefill over a cached prefix) stay on SDPA, whose blocked kernel never
+    holds the (Q, K) scores whole and was faster from ~64 queries on.
 
     expand_kv (the CUDA path): give every query head its own view of its KV head instead of
     SDPA's enable_gqa, and run SDPA's memory-efficient kernel. With a mask, enable_gqa falls back
@@ -159,7 +161,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     memory-efficient kernel takes ~0.1 ms. On CPU, enable_gqa reads each KV head once, which is
     cheaper there."""
     causal = mask is None
-    if not expand_kv and not causal and q.dtype in _REDUCED and q.device.type == "cpu":
+    if (not expand_kv and not causal and q.dtype in _REDUCED and q.device.type == "cpu"
+            and q.shape[2] <= GROUPED_MAX_QUERIES):
         return grouped_attention(q, k, v, mask, scale)
     if not expand_kv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
@@ -171,6 +174,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _REDUCED = (torch.bfloat16, torch.float16)
+GROUPED_MAX_QUERIES = 16
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
