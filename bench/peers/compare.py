@@ -83,6 +83,12 @@ def summarize(runs: list[dict], reference_ids: dict | None) -> dict:
     return {"levels": out, "load_s": [r["load_s"] for r in runs], "process_s": [r["process_s"] for r in runs]}
 
 
+def max_model_len(needed: int) -> int:
+    """The context vLLM is started with: a power of two from 1024, so that runs with other prompts
+    or token counts hit the same AOT-compiled artifacts in vLLM's cache."""
+    return max(1024, 1 << (needed - 1).bit_length())
+
+
 def measure(args, pairs: list[tuple[str, str]], prompts: list[list[int]], folders: dict, failed: dict) -> dict:
     """{dtype: {ENGINE:NAME: summary}}; a worker that fails or times out is noted in `failed`."""
     runs: dict[str, dict[str, list[dict]]] = {d: {f"{e}:{n}": [] for e, n in pairs} for d in args.dtypes}
@@ -90,7 +96,7 @@ def measure(args, pairs: list[tuple[str, str]], prompts: list[list[int]], folder
     job_base = dict(model=str(folders["model"]), draft=str(folders["draft"]), prompts=prompts[: max(levels)],
                     levels=levels, max_tokens=args.max_tokens,
                     kv_slots=kv_slots_for(prompts, max(levels), args.max_tokens),
-                    max_model_len=max(len(p) for p in prompts) + args.max_tokens + 64)
+                    max_model_len=max_model_len(max(len(p) for p in prompts) + args.max_tokens))
     for round_ in range(args.rounds):
         for dtype in args.dtypes:
             for engine, name in pairs:
