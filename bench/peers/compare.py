@@ -148,8 +148,9 @@ def plot(result: dict, path: Path) -> Path:
         ax.set(xlabel="requests at once", ylabel="output tokens/s", title=dtype)
         ax.legend(fontsize=8)
     meta = result["meta"]
-    fig.suptitle(f"{meta['model']}: ours vs vLLM-CPU {meta['vllm']}, {meta['max_tokens']} tokens per request, "
-                 f"{meta['rounds']} round(s), {meta['cpu_count']} cores (shared)")
+    fig.suptitle(f"{meta['model']}: ours vs vLLM-CPU {meta['vllm']}\n{meta['max_tokens']} tokens per request, "
+                 f"{meta['rounds']} round(s), {meta['cpu_count']} cores, load {meta['load_avg_1m_start']}",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
