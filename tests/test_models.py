@@ -317,6 +317,29 @@ def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
     torch.testing.assert_close(expanded, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
+def test_grouped_bf16_attention_matches_a_softmax_reference(heads, kv_heads):
+    """masked_attention's bf16 CPU path (query heads sharing a KV head as rows of one product)
+    equals a plain fp32 softmax over the same bf16 inputs, to bf16 rounding; padded-out keys
+    holding huge values stay unread."""
+    from models.attention import masked_attention
+
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    b, q_len, k_len, d = 3, 5, 11, 16
+    q = torch.randn(b, heads, q_len, d, generator=g).bfloat16()
+    k, v = (torch.randn(b, kv_heads, k_len, d, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(b, 1, q_len, k_len, generator=g) < 0.6
+    mask[..., 0] = True
+    k[..., -1, :], v[..., -1, :] = GARBAGE, GARBAGE
+    mask[..., -1] = False
+    kv_of_head = torch.arange(heads) // (heads // kv_heads)
+    scores = (q.float() @ k[:, kv_of_head].float().transpose(-1, -2)) * 0.25
+    reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head].float()
+    got = masked_attention(q, k, v, mask, 0.25, expand_kv=False)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
+
+
 def test_ragged_batch_equals_requests_one_by_one(tiny_target):
     """A batch mixing prefill, decode and verify equals each request alone, where everything
     outside that request's own slots is different garbage; the pass writes only its new slots."""

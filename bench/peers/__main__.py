@@ -1,0 +1,3 @@
+from bench.peers.compare import main
+
+main()

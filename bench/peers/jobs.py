@@ -1,0 +1,51 @@
+"""What a worker is asked to measure and what it answers, shared by both engines' workers
+(standard library only: `vllm_worker` runs in the peer's venv)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Callable
+
+# What each engine runs under each config name (ours: `bench.peers.ours_worker`, vLLM:
+# `bench.peers.vllm_worker`). "serve" is `make serve`'s speculation (serve.settings).
+CONFIGS = {
+    "ours": ("none", "ngram", "eagle3", "serve"),
+    "vllm": ("none", "ngram", "eagle3"),
+}
+NGRAM_TOKENS = 4  # prompt-lookup draft length, both engines
+EAGLE3_STEPS = 3  # EAGLE-3 chain length, both engines
+WARMUP_TOKENS = 4
+
+
+def read_job(argv: list[str] | None = None) -> tuple[dict, str]:
+    """argv: JOB.json OUT.json -> (the job, where the result goes)."""
+    job_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
+    with open(job_path) as f:
+        return json.load(f), out_path
+
+
+def run_levels(job: dict, generate: Callable[[list[list[int]], int], list[list[int]]]) -> dict:
+    """For each level L: the first L prompts submitted at once, greedy, `max_tokens` each with
+    EOS ignored. `generate(prompts, max_tokens)` returns each prompt's output ids. Every level is
+    warmed up first with a few tokens (an engine that compiles per batch shape does so there)."""
+    prompts, max_tokens = job["prompts"], job["max_tokens"]
+    for level in job["levels"]:
+        generate(prompts[:level], WARMUP_TOKENS)
+    levels = {}
+    for level in job["levels"]:
+        start = time.perf_counter()
+        outs = generate(prompts[:level], max_tokens)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o) for o in outs)
+        levels[str(level)] = {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+                              "token_ids": outs}
+        print(f"[bench.peers] {job['engine']}:{job['config']} {job['dtype']} {level:3d} at once: "
+              f"{tokens / wall:8.2f} tok/s", file=sys.stderr, flush=True)
+    return levels
+
+
+def write_result(out_path: str, result: dict) -> None:
+    with open(out_path, "w") as f:
+        json.dump(result, f)

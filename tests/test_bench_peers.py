@@ -1,0 +1,31 @@
+"""bench.peers without running any engine: config names, the peer's speculation settings and the
+ours/vLLM ratios the report is read by."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.peers.compare import parse_configs, ratios
+from bench.peers.jobs import CONFIGS, EAGLE3_STEPS, NGRAM_TOKENS
+from bench.peers.vllm_worker import speculative_config
+
+
+def test_config_names_are_checked_naming_the_bad_one():
+    assert parse_configs("ours:none, vllm:eagle3") == [("ours", "none"), ("vllm", "eagle3")]
+    with pytest.raises(ValueError, match=r"--configs: unknown config 'vllm:serve'"):
+        parse_configs("ours:none,vllm:serve")
+
+
+def test_peer_speculates_like_ours():
+    assert speculative_config({"config": "none"}) is None
+    assert speculative_config({"config": "ngram"})["num_speculative_tokens"] == NGRAM_TOKENS
+    eagle = speculative_config({"config": "eagle3", "draft": "/heads/eagle3"})
+    assert eagle == {"method": "eagle3", "model": "/heads/eagle3", "num_speculative_tokens": EAGLE3_STEPS}
+    assert set(CONFIGS["vllm"]) <= set(CONFIGS["ours"])
+
+
+def test_ratios_pair_plain_with_plain_and_serve_with_the_peers_eagle3():
+    level = lambda tps: {"levels": {"1": {"tokens_per_s": tps}}}  # noqa: E731
+    results = {"bfloat16": {"ours:none": level(30.0), "vllm:none": level(40.0), "ours:serve": level(60.0),
+                            "vllm:eagle3": level(30.0)}}
+    assert ratios(results) == {"bfloat16": {"plain": {"1": 0.75}, "serve_vs_eagle3": {"1": 2.0}}}
