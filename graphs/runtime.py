@@ -146,6 +146,11 @@ class GraphRuntime:
         """Per rank the target actor, then its draft actor (placement "separate" only)."""
         return [a for rank in self.ranks for a in (rank.target, rank.draft) if a is not None]
 
+    def actors_by_role(self) -> dict[str, list]:
+        """{"targets": one per rank, "drafts": the separate draft actors (none where colocated)}."""
+        return {"targets": [rank.target for rank in self.ranks],
+                "drafts": [rank.draft for rank in self.ranks if rank.draft is not None]}
+
     def shutdown(self) -> None:
         self._teardown()
         for actor in self.actors():

@@ -157,6 +157,9 @@ class SchedulerActor:
         """The rank actors (target, draft per rank), e.g. for fault-injection tests and stats."""
         return self.runtime.actors()
 
+    def actors_by_role(self) -> dict[str, list]:
+        return self.runtime.actors_by_role()
+
     def config_info(self) -> dict:
         return {"max_model_len": self.max_model_len}
 

@@ -76,10 +76,10 @@ class SpecEngine:
 
     async def actors(self) -> dict:
         """This replica's actor handles (fault-injection tests, inspection): the replica itself,
-        the scheduler, and the target and draft actor of every rank."""
-        ranks = await self.engine.scheduler.actors.remote()
-        return {"replica": ray.get_runtime_context().current_actor, "scheduler": self.engine.scheduler,
-                "targets": ranks[0::2], "drafts": ranks[1::2]}
+        the scheduler, the target actor of every rank (hosting the drafter where it is colocated)
+        and the separate draft actors."""
+        by_role = await self.engine.scheduler.actors_by_role.remote()
+        return {"replica": ray.get_runtime_context().current_actor, "scheduler": self.engine.scheduler, **by_role}
 
     async def metrics_snapshot(self) -> tuple[str, dict]:
         """(replica key, fresh snapshot): lets /metrics show current gauges of a replica."""

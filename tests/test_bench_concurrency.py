@@ -34,7 +34,7 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
 @pytest.mark.parametrize("name", ["ngram@x", "ngram/0", "ngram@4/8"])
 def test_limits_must_be_positive_numbers(tiny_target, name):
     with pytest.raises(SystemExit, match=name):
-        concurrency.main(["--model", str(tiny_target), "--configs", name, "--levels", "1"])
+        concurrency.main(["--model", str(tiny_target), "--configs", name, "--levels", "1", "--prompts", "short"])
 
 
 def test_config_names_carry_budget_and_cutoff():
