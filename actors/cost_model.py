@@ -11,9 +11,10 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step). The user's `verify_budget` and `disable_by_batch_size` cap
-  it. Rival sizes are re-measured the more often the closer they are predicted to the best (every
-  `explore_every` steps when as good), and the plain step once whenever the batch size or the
-  context moves to a regime where it was not measured, so the choice follows the load.
+  it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
+  measuring costs little: a rival size is re-measured only while its predicted rate, widened by its
+  uncertainty at this load (shrinking with the steps measured there), still reaches the best's, at
+  most once every `explore_every` steps.
 
 Plain classes; no timing is taken here (the scheduler reports each step's wall time).
 """
@@ -33,6 +34,13 @@ _CONTEXT_UNIT = 1024.0
 # so one unlucky step cannot rule a tree size out for good; a step of 64 outweighs it).
 UNTRIED_SCALE = 0.75
 PRIOR_TOKENS = 4.0
+# Relative uncertainty of a size's predicted tokens per second in a load regime where it was never
+# measured; it shrinks as 1 / sqrt(1 + decayed steps measured there). A rival predicted further than
+# this below the best is not worth a measuring step.
+UNCERTAINTY = 0.25
+# Relative uncertainty of the acceptance rates before any real request drafted (the start-up probe's
+# dummies teach costs only); it shrinks as 1 / sqrt(1 + request-steps that drafted).
+ACCEPTANCE_UNCERTAINTY = 1.0
 
 
 def size_buckets(tree_size: int) -> list[int]:
@@ -57,10 +65,13 @@ def capped_size(tree_size: int, batch: int, verify_budget: int | None, disable_b
 
 
 class DecayedLinearFit:
-    """y ~ w . x by least squares over exponentially decayed samples (each new sample multiplies the
-    older ones' weight by `decay`). A small ridge on every weight but the first (the intercept) keeps
-    the answer defined while the samples span few directions: a slope the data cannot tell yet
-    stays near 0, so a step predicts about what was measured rather than a wild extrapolation."""
+    """y ~ w . x, w >= 0, by least squares over exponentially decayed samples (each new sample
+    multiplies the older ones' weight by `decay`). Non-negative weights because every feature is a
+    cost that only adds (more rows, context or levels never make a step cheaper): noisy samples then
+    cannot tilt the line into predicting free steps where nothing was measured. A small ridge on
+    every weight but the first (the intercept) keeps the answer defined while the samples span few
+    directions: a slope the data cannot tell yet stays near 0, so a step predicts about what was
+    measured rather than a wild extrapolation."""
 
     def __init__(self, num_features: int, decay: float, ridge: float = 1e-3):
         self.decay, self.ridge = decay, ridge
@@ -74,12 +85,27 @@ class DecayedLinearFit:
         self.xy = self.decay * self.xy + v * y
         self._w = None
 
-    def predict(self, x: list[float]) -> float:
+    def weights(self) -> torch.Tensor:
+        """The non-negative least-squares weights: solve, drop the most negative weight (held at 0),
+        solve again over the rest, until none is negative (an active-set pass; features are few)."""
         if self._w is None:
             penalty = self.ridge * (self.xx.diagonal() + 1e-9)
             penalty[0] = 1e-12
-            self._w = torch.linalg.solve(self.xx + torch.diag(penalty), self.xy)
-        return float(torch.tensor(x, dtype=torch.float64) @ self._w)
+            a = self.xx + torch.diag(penalty)
+            free = list(range(len(self.xy)))
+            w = torch.zeros_like(self.xy)
+            while free:
+                w = torch.zeros_like(self.xy)
+                w[free] = torch.linalg.solve(a[free][:, free], self.xy[free])
+                worst = int(torch.argmin(w))
+                if w[worst] >= 0:
+                    break
+                free.remove(worst)
+            self._w = w.clamp(min=0.0)
+        return self._w
+
+    def predict(self, x: list[float]) -> float:
+        return float(torch.tensor(x, dtype=torch.float64) @ self.weights())
 
 
 class StepCostModel:
@@ -163,7 +189,8 @@ class AdaptiveStats:
 class TreeSizePolicy:
     """Chooses each decode step's verify width (nodes per request, root included; 1 = plain decoding).
 
-    adaptive=False keeps the fixed behaviour: the full tree within the user's caps."""
+    adaptive=False keeps the fixed behaviour: the full tree within the user's caps. `forced` (the
+    start-up probe's) makes every step verify that many nodes, whatever the caps."""
 
     def __init__(self, tree_size: int, draft_depth: int, adaptive: bool = True,
                  verify_budget: int | None = None, disable_by_batch_size: int | None = None,
@@ -172,16 +199,27 @@ class TreeSizePolicy:
         self.verify_budget, self.disable_by_batch_size = verify_budget, disable_by_batch_size
         self.buckets = size_buckets(tree_size)
         self.costs = StepCostModel()
-        self.acceptance = AcceptanceModel(max(draft_depth, 1))
         self.explore_every = explore_every
+        self.uncertainty_scale = UNCERTAINTY
+        self.forced: int | None = None
+        self.measured: dict[tuple[int, int, int], float] = {}  # (nodes, *regime) -> decayed steps timed
+        self._reset_learning()
+
+    def _reset_learning(self) -> None:
+        """Forget acceptance and choices (what the probe's dummy requests taught); costs stay."""
+        self.acceptance = AcceptanceModel(max(self.draft_depth, 1))
         # Correction per bucket: accepted tokens seen over those predicted, decayed sums (a small tree
         # of a wide draft accepts less per depth than the rates, mostly measured on full trees, say).
         self.seen: dict[int, float] = {}
         self.predicted: dict[int, float] = {}
-        self.tried: set[tuple[int, int, int]] = set()  # (nodes, batch regime, context regime)
         self.step = 0
+        self.drafted = 0  # request-steps that drafted (evidence for the acceptance rates)
         self.explored: dict[int, int] = {}  # tree size -> step it was last re-measured at
         self.stats = AdaptiveStats()
+
+    def end_probe(self) -> None:
+        self.forced = None
+        self._reset_learning()
 
     def depth(self, nodes: int) -> int:
         """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
@@ -191,6 +229,13 @@ class TreeSizePolicy:
     def _regime(batch: int, context_tokens: int) -> tuple[int, int]:
         """Batch sizes and mean contexts within a factor of two behave alike."""
         return int(math.log2(max(batch, 1))), int(math.log2(max(context_tokens // max(batch, 1), 1) / 64 + 1))
+
+    def uncertainty(self, nodes: int, batch: int, context_tokens: int) -> float:
+        """Relative uncertainty of `nodes`' predicted rate against another size's at this load: its cost
+        here and the acceptance rates (what a tree gains over a plain step)."""
+        cost = self.uncertainty_scale / math.sqrt(1.0 + self.measured.get((nodes, *self._regime(batch, context_tokens)), 0.0))
+        acceptance = ACCEPTANCE_UNCERTAINTY / math.sqrt(1.0 + self.drafted)
+        return math.hypot(cost, acceptance)
 
     def expected_tokens(self, rids: list[int], nodes: int) -> float:
         """sum over requests of E[accepted + 1] with `nodes` per request."""
@@ -204,6 +249,8 @@ class TreeSizePolicy:
 
     def choose(self, rids: list[int], context_tokens: int) -> int:
         """This step's nodes per request for a batch of requests `rids` attending to `context_tokens`."""
+        if self.forced is not None:
+            return self._chosen(min(self.forced, self.tree_size))
         batch = len(rids)
         cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
         if not self.adaptive or cap == 1:
@@ -211,31 +258,24 @@ class TreeSizePolicy:
         self.step += 1
         candidates = [n for n in self.buckets if n <= cap]
         for n in (candidates[-1], candidates[0]):
-            if self.costs.samples(n) == 0:  # start up: measure the largest tree and the plain step first
+            if self.costs.samples(n) == 0:  # no probe ran: measure the largest tree and the plain step first
                 return self._chosen(n)
         rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
                 for n in candidates}
         best = max(rate, key=rate.get)
-        # Measure the plain step (the fallback that must never be misjudged) once in every load regime.
-        regime = self._regime(batch, context_tokens)
-        if best != 1 and (1, *regime) not in self.tried:
-            return self._chosen(1, regime)
-        # Re-measure rivals (the best's neighbours and the full tree: the payoff over sizes can be
-        # flat in between) the more often the closer they are predicted to the best, so measuring
-        # costs ~1% of throughput per rival whatever the load; one predicted at half the best's
-        # rate or less is not worth a step.
+        # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
+        # flat in between). One is re-measured only while it may still beat the best within its
+        # uncertainty, and at most once every `explore_every` steps, so a settled choice costs nothing.
         i = candidates.index(best)
-        rivals = {candidates[j] for j in (i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
+        rivals = {candidates[j] for j in (0, i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
         for rival in sorted(rivals, key=rate.get, reverse=True):
-            ratio = rate[rival] / rate[best]
-            if ratio > 0.5 and self.step - self.explored.get(rival, -10**9) >= self.explore_every / (2 * ratio - 1):
+            if (rate[rival] * (1.0 + self.uncertainty(rival, batch, context_tokens)) >= rate[best]
+                    and self.step - self.explored.get(rival, 0) >= self.explore_every):
                 self.explored[rival] = self.step
-                return self._chosen(rival, regime)
-        return self._chosen(best, regime)
+                return self._chosen(rival)
+        return self._chosen(best)
 
-    def _chosen(self, nodes: int, regime: tuple[int, int] | None = None) -> int:
-        if regime is not None:
-            self.tried.add((nodes, *regime))
+    def _chosen(self, nodes: int) -> int:
         self.stats.steps_by_size[nodes] = self.stats.steps_by_size.get(nodes, 0) + 1
         self.stats.last_size = nodes
         return nodes
@@ -251,8 +291,13 @@ class TreeSizePolicy:
             self.predicted[nodes] = 0.9 * self.predicted.get(nodes, 0.0) + max(predicted, 1e-3)
             for rid, a in zip(rids, accepted):
                 self.acceptance.observe(rid, depth, a)
+            self.drafted += len(rids)
         if self.adaptive and seconds is not None:
             self.costs.observe(nodes, depth, len(rids), context_tokens, seconds)
+            for key in self.measured:
+                self.measured[key] *= self.costs.fit.decay
+            key = (nodes, *self._regime(len(rids), context_tokens))
+            self.measured[key] = self.measured.get(key, 0.0) + 1.0
         self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.overall[: self.draft_depth]]
 
     def forget(self, rid: int) -> None:

@@ -3,6 +3,7 @@ and a compiled per-step graph (backend "ray")."""
 
 from __future__ import annotations
 
+from actors.cost_probe import probe_step_costs
 from actors.scheduler import Scheduler
 from actors.step import run_step
 from actors.target_runner import TargetRunner
@@ -31,6 +32,8 @@ def build_local(config: EngineConfig) -> Engine:
     tokenizer = load_tokenizer(target.folder)
     scheduler = Scheduler(scheduler_config(config, target, draft), LocalExecutor(target_runner, drafter),
                           tokenizer, eos_token_ids(target, tokenizer))
+    if config.cost_probe:
+        probe_step_costs(scheduler, [scheduler], scheduler.step)
     return LocalEngine(config, scheduler, tokenizer)
 
 

@@ -35,6 +35,9 @@ class EngineConfig:
     # expected tokens per second, from step costs and per-request acceptance measured as it runs
     # (actors.cost_model). False: the full tree every step (within the caps below).
     adaptive_speculation: bool = True
+    # Adaptive speculation starts from measured costs: at engine start, a few timed decode steps on
+    # dummy requests (actors.cost_probe; about a second on a CPU). False: it measures on live traffic.
+    cost_probe: bool = True
     # Caps a user may set on top. Decode steps with more running requests than this (per rank)
     # verify each root alone, as vLLM's disable_by_batch_size; None: no such cap.
     disable_by_batch_size: int | None = None
@@ -124,8 +127,9 @@ class EngineConfig:
                 raise ValueError(f"{name}: there is no speculation to limit (speculative_algorithm NONE)")
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        if not isinstance(self.adaptive_speculation, bool):
-            raise ValueError(f"adaptive_speculation must be true or false, got {self.adaptive_speculation!r}")
+        for name in ("adaptive_speculation", "cost_probe"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 class SchedulerActor:
     def __init__(self, config, placement_group, bundle_offset: int = 0):
         from actors import channel_wait
+        from actors.cost_probe import probe_step_costs
         from actors.scheduler import DataParallelScheduler, Scheduler
         from graphs.assembly import eos_token_ids, resolve_sources, scheduler_config
         from graphs.runtime import GraphRuntime
@@ -45,6 +46,8 @@ class SchedulerActor:
         self._stop = False
         self._steps = 0
         self._aborted = 0
+        if config.cost_probe:  # before the step loop starts: nothing else steps the graph yet
+            probe_step_costs(self.dp, ranks, lambda: self.runtime.step(self._lock))
         self._thread = threading.Thread(target=self._loop, name="step-loop", daemon=True)
         self._thread.start()
 

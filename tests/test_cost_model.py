@@ -100,3 +100,42 @@ def test_caps_hold_and_fixed_mode_is_the_full_capped_tree():
     assert set(_feed(adaptive, list(range(9)), 2700, cheap, _wider_accepts_more, steps=10)) == {1}
     fixed = _policy(adaptive=False, verify_budget=16)
     assert [fixed.choose(list(range(b)), 100 * b) for b in (1, 2, 3, 8, 17)] == [8, 8, 5, 2, 1]
+
+
+def _probe(policy: TreeSizePolicy, cost, shapes=((1, 300), (16, 16 * 300))) -> None:
+    """What actors.cost_probe does at engine start: two timed steps of the full tree, one draft level
+    and the plain step at each shape (dummy requests that accept nothing), then forget all but costs."""
+    for batch, context in shapes:
+        for nodes in (8, 2, 1):
+            policy.forced = nodes
+            _feed(policy, list(range(batch)), context, cost, lambda n: 0, steps=2)
+    policy.end_probe()
+
+
+def test_a_probed_policy_chooses_without_measuring():
+    """Warm from the probe, one request with cheap rows gets the full tree from its first step, and
+    16 requests whose drafts are all rejected barely pay for trees: only rivals predicted within the
+    uncertainty of the best are re-measured, at most once every `explore_every` steps."""
+    def cost(nodes, batch):  # a draft level costs more per request than a verify row
+        levels = min(3, nodes - 1)
+        return 0.040 + 0.0005 * batch * nodes + 0.001 * levels + 0.003 * levels * batch
+    policy = _policy()
+    _probe(policy, cost)
+    assert policy.stats.steps_by_size == {} and policy.acceptance.overall == [0.5] * 3  # dummies forgotten
+    one = _feed(policy, [0], 300, cost, _wider_accepts_more, steps=64)
+    assert one[0] == 8 and one.count(8) >= 58
+    many = _feed(policy, list(range(16)), 16 * 300, cost, lambda n: 0, steps=64)
+    assert many.count(1) >= 62  # a tree measured once or twice: the acceptance learnt at one request was high
+
+
+def test_cost_fit_never_predicts_a_cheaper_step_for_more_work():
+    """Noisy timings of a few shapes (a loaded machine) must not tilt the fit into predicting that more
+    rows, context or requests cost less, or nothing: every weight of the fit stays non-negative."""
+    rng = random.Random(1)
+    policy = _policy()
+    cost = lambda nodes, batch: (0.040 + 0.002 * batch + 0.0008 * batch * nodes) * rng.uniform(0.5, 2.0)  # noqa: E731
+    _probe(policy, cost, shapes=((1, 64), (1, 1024), (16, 16 * 64)))
+    assert bool((policy.costs.fit.weights() >= 0).all())
+    for batch, mean_context in ((2, 1500), (16, 1500), (64, 1500), (64, 64)):
+        steps = [policy.costs.predict(n, policy.depth(n), batch, batch * mean_context) for n in policy.buckets]
+        assert min(steps) >= policy.costs.predict(1, 0, 1, 64) > 0.01

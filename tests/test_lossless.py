@@ -69,7 +69,8 @@ def reference(tiny_target):
 def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm, draft, topk, n, steps):
     draft_path = request.getfixturevalue(draft) if draft else None
     engine = _engine(tiny_target, algorithm, draft_path, topk, n, steps)
-    engine.scheduler.policy.explore_every = 3  # switch sizes often, whatever the timings say is best
+    # Switch sizes often, whatever the timings say is best.
+    engine.scheduler.policy.explore_every, engine.scheduler.policy.uncertainty_scale = 3, 100.0
     free_before = engine.scheduler.num_free_slots
     outs = _run_all(engine)
     assert [o.token_ids for o in outs] == reference

@@ -1,0 +1,98 @@
+"""Start-up probe: time a few decode steps on dummy requests so adaptive speculation starts from
+measured costs instead of measuring them on the first users' requests.
+
+For each probe shape (a batch of dummy prompts of some length), the dummy requests are prefilled,
+then every probed tree size runs `steps_per_size` timed decode steps (the full tree first, the plain
+step last, so no draft catch-up is in the timings); the policies' cost fits learn from them as from
+any step. The dummy requests are then aborted (their KV freed, nothing cached) and the policies
+forget the acceptance and choices the dummies taught: only the costs stay. Shapes that do not fit
+the engine (its running-request limit, KV pool or model length) shrink or are skipped.
+
+Works on any scheduler with `add_request`, `find`, `abort` (a `Scheduler` or a
+`DataParallelScheduler`); `step` runs one step of it (the engine's own step loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from actors.cost_model import TreeSizePolicy
+from actors.scheduler import Scheduler, SchedulerStats
+from spec.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ProbeShape:
+    batch: int  # dummy requests decoded together
+    prompt_tokens: int  # context each attends to
+
+    def __post_init__(self):
+        if self.batch < 1 or self.prompt_tokens < 1:
+            raise ValueError(f"ProbeShape: batch and prompt_tokens must be positive, got {self}")
+
+
+# One request at a short and a long context, and a batch: enough to tell apart the step's fixed,
+# per-request, per-row and per-context-row costs (`StepCostModel`'s features).
+DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(1, 1024), ProbeShape(16, 64))
+
+
+def probe_sizes(policy: TreeSizePolicy) -> list[int]:
+    """The full tree, one draft level and the plain step: the fit is linear in nodes and levels."""
+    return sorted({policy.tree_size, min(2, policy.tree_size), 1}, reverse=True)
+
+
+def dummy_prompt(index: int, length: int, vocab_size: int) -> list[int]:
+    """A deterministic token sequence, distinct per request (no prefix sharing between dummies)."""
+    return [(7919 * (index + 1) + 104729 * t) % vocab_size for t in range(length)]
+
+
+def probe_step_costs(scheduler, ranks: list[Scheduler], step: Callable[[], object], *,
+                     shapes: tuple[ProbeShape, ...] = DEFAULT_SHAPES, steps_per_size: int = 2) -> int:
+    """Run the probe on `scheduler` whose per-rank `Scheduler`s are `ranks`; returns the timed decode
+    steps it ran (0 when speculation is not adaptive)."""
+    policies: list[TreeSizePolicy] = [rank.policy for rank in ranks]
+    if not policies or not all(p.adaptive and p.tree_size > 1 for p in policies):
+        return 0
+    config = ranks[0].config
+    sizes = probe_sizes(policies[0])
+    # Every probed step may accept a full chain; the dummies must not finish before the probe does.
+    new_tokens = 1 + steps_per_size * sum(policies[0].depth(n) + 1 for n in sizes)
+    timed = 0
+    for shape in shapes:
+        length = min(shape.prompt_tokens, config.max_model_len - new_tokens - 1)
+        need = length + new_tokens + 2 * ranks[0].per_step_slots  # what a request is admitted against
+        # At most half of each rank's pool, so the probe never preempts.
+        batch = min(shape.batch, config.max_running_requests * len(ranks),
+                    len(ranks) * (config.kv_slots // max(need, 1) // 2))
+        if length < 1 or batch < 1:
+            continue
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        rids = [scheduler.add_request(dummy_prompt(b, length, ranks[0].vocab_size), params) for b in range(batch)]
+        try:
+            for policy in policies:
+                policy.forced = 1
+            while any(_prefilling(scheduler, rid) for rid in rids):  # plain decodes may come between chunks
+                step()
+            for nodes in sizes:
+                for policy in policies:
+                    policy.forced = nodes
+                for _ in range(steps_per_size):
+                    step()
+                    timed += 1
+        finally:
+            for rid in rids:
+                scheduler.abort(rid)
+            for rank in ranks:  # /metrics count users' requests only
+                rank.policy.end_probe()
+                rank.stats = SchedulerStats()
+                if rank.cache is not None:
+                    rank.cache.hit_tokens = rank.cache.query_tokens = 0
+    return timed
+
+
+def _prefilling(scheduler, rid: int) -> bool:
+    try:
+        return not scheduler.find(rid).output_ids
+    except KeyError:  # ended (a dummy that failed): nothing to wait for
+        return False
