@@ -214,7 +214,7 @@ class TreeSizePolicy:
         self.predicted: dict[int, float] = {}
         self.step = 0
         self.drafted = 0  # request-steps that drafted (evidence for the acceptance rates)
-        self.explored: dict[int, int] = {}  # tree size -> step it was last re-measured at
+        self.explored = 0  # step a rival was last measured at
         self.stats = AdaptiveStats()
 
     def end_probe(self) -> None:
@@ -265,13 +265,14 @@ class TreeSizePolicy:
         best = max(rate, key=rate.get)
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
         # flat in between). One is re-measured only while it may still beat the best within its
-        # uncertainty, and at most once every `explore_every` steps, so a settled choice costs nothing.
+        # uncertainty, and one rival at most every `explore_every` steps: measuring costs at most
+        # UNCERTAINTY / explore_every of throughput, and nothing once the choice is settled.
         i = candidates.index(best)
         rivals = {candidates[j] for j in (0, i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
         for rival in sorted(rivals, key=rate.get, reverse=True):
             if (rate[rival] * (1.0 + self.uncertainty(rival, batch, context_tokens)) >= rate[best]
-                    and self.step - self.explored.get(rival, 0) >= self.explore_every):
-                self.explored[rival] = self.step
+                    and self.step - self.explored >= self.explore_every):
+                self.explored = self.step
                 return self._chosen(rival)
         return self._chosen(best)
 

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from actors.cost_model import AcceptanceModel, DecayedLinearFit, TreeSizePolicy, capped_size, size_buckets
+from graphs import EngineConfig, SamplingParams, build_graph
 
 
 def _policy(**kw) -> TreeSizePolicy:
@@ -139,3 +140,24 @@ def test_cost_fit_never_predicts_a_cheaper_step_for_more_work():
     for batch, mean_context in ((2, 1500), (16, 1500), (64, 1500), (64, 64)):
         steps = [policy.costs.predict(n, policy.depth(n), batch, batch * mean_context) for n in policy.buckets]
         assert min(steps) >= policy.costs.predict(1, 0, 1, 64) > 0.01
+
+
+def test_engine_start_probes_costs_and_leaves_nothing_behind(tiny_target, tiny_eagle3_shared):
+    """build_graph times the full tree, one draft level and the plain step on dummy requests; users'
+    requests then find the fit warm, every slot free, no dummy in the stats or the acceptance, and
+    their greedy output unchanged."""
+    def engine(**kw):
+        return build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3",
+                                        draft_model=str(tiny_eagle3_shared), eagle_topk=4, num_draft_tokens=8,
+                                        num_steps=3, kv_slots=4096, **kw))
+
+    probed, cold = engine(), engine(cost_probe=False)
+    policy = probed.scheduler.policy
+    assert all(policy.costs.samples(n) > 0 for n in (8, 2, 1))
+    assert all(cold.scheduler.policy.costs.samples(n) == 0 for n in (8, 2, 1))
+    assert not probed.scheduler.has_unfinished() and probed.scheduler.num_free_slots == 4096
+    assert probed.scheduler.stats.admitted == 0 and policy.stats.steps_by_size == {} and policy.drafted == 0
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    plain = build_graph(EngineConfig(model=str(tiny_target), kv_slots=4096))
+    assert [o.token_ids for o in probed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
