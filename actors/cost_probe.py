@@ -34,7 +34,7 @@ class ProbeShape:
 
 # One request at a short and a long context, and a batch: enough to tell apart the step's fixed,
 # per-request, per-row and per-context-row costs (`StepCostModel`'s features).
-DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(1, 1024), ProbeShape(16, 64))
+DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(1, 512), ProbeShape(16, 64))
 
 
 def probe_sizes(policy: TreeSizePolicy) -> list[int]:
