@@ -200,7 +200,7 @@ class TreeSizePolicy:
         self.buckets = size_buckets(tree_size)
         self.costs = StepCostModel()
         self.explore_every = explore_every
-        self.uncertainty_scale = UNCERTAINTY
+        self.uncertainty_scale = UNCERTAINTY  # of costs; larger measures rivals more (tests switch sizes so)
         self.forced: int | None = None
         self.measured: dict[tuple[int, int, int], float] = {}  # (nodes, *regime) -> decayed steps timed
         self._reset_learning()
