@@ -9,6 +9,7 @@ import random
 import pytest
 
 from actors.cost_model import AcceptanceModel, DecayedLinearFit, TreeSizePolicy, capped_size, size_buckets
+from actors.cost_probe import probe_sizes
 from graphs import EngineConfig, SamplingParams, build_graph
 
 
@@ -107,7 +108,7 @@ def _probe(policy: TreeSizePolicy, cost, shapes=((1, 300), (16, 16 * 300))) -> N
     """What actors.cost_probe does at engine start: two timed steps of the full tree, one draft level
     and the plain step at each shape (dummy requests that accept nothing), then forget all but costs."""
     for batch, context in shapes:
-        for nodes in (8, 2, 1):
+        for nodes in probe_sizes(policy):
             policy.forced = nodes
             _feed(policy, list(range(batch)), context, cost, lambda n: 0, steps=2)
     policy.end_probe()
