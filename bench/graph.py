@@ -12,7 +12,8 @@ the target's threads).
 
 Per-step profile at `--profile-batches`: where one step's wall time goes (scheduler plan, the
 executor call, each actor's compute measured inside it, commit), and CPU seconds per process
-per step, which shows a process that spins while it waits. Coordination = executor wall time
+per step, which shows a process that spins while it waits, and minor page faults per step (memory
+the allocator maps afresh each step). Coordination = executor wall time
 minus the actors' compute (in the local engine the executor is the compute).
 """
 
@@ -154,14 +155,17 @@ class Probe:
     def _cpu(self) -> dict:
         return {name: cpu_seconds(info["pid"]) for name, info in self.processes.items()}
 
+    def _faults(self) -> dict:
+        return {name: minor_faults(info["pid"]) for name, info in self.processes.items()}
+
     def run(self, batch: int, max_tokens: int) -> dict:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self._totals(), self._compute()
-        cpu0 = self._cpu()
+        cpu0, faults0 = self._cpu(), self._faults()
         start = time.perf_counter()
         self.engine.chat(conversations(batch), params)
         wall = time.perf_counter() - start
-        cpu1 = self._cpu()
+        cpu1, faults1 = self._cpu(), self._faults()
         totals, compute = self._totals(), self._compute()
         steps = totals["step"][1]
         ms = {key: 1e3 * totals.get(key, (0.0, 0))[0] / steps for key in TIMED}
@@ -172,13 +176,24 @@ class Probe:
                 "coordination_fraction": coordination / ms["step"],
                 "cpu_ms_per_step": {k: 1e3 * (cpu1[k] - cpu0[k]) / steps for k in cpu0},
                 "cpu_busy_fraction": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0},
+                "minor_faults_per_step": {k: (faults1[k] - faults0[k]) / steps for k in faults0},
                 "torch_threads": {k: v["torch_threads"] for k, v in self.processes.items()}}
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat fields after the command name (field 3 of proc(5) is index 0)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults of a process so far: memory the allocator keeps mapping afresh."""
+    return int(_stat(pid)[7])
 
 
 def throughput(engine, concurrency: int, max_tokens: int) -> dict:
@@ -304,7 +319,8 @@ def summary(name: str, res: dict) -> str:
             lines.append(f"  profile {key:15s} b={batch:>3s} step {p['step_ms']:6.1f} ms: plan {p['plan_ms']:.2f} "
                          f"execute {p['execute_ms']:.1f} (compute {sum(p['compute_ms'].values()):.1f}, coordination "
                          f"{p['coordination_ms']:.2f} = {100 * p['coordination_fraction']:.1f}%) commit "
-                         f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}")
+                         f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}; "
+                         f"minor faults/step {json.dumps({k: round(v) for k, v in p['minor_faults_per_step'].items()})}")
     return "\n".join(lines)
 
 
