@@ -2,7 +2,7 @@
 NGRAM and the `make serve` EAGLE-3 tree, each Ray run with the drafter colocated in the target's
 actor and in its own actor.
 
-    python -m bench.graph [--plot] [--quick]
+    python -m bench.graph [--plot] [--quick] [--levers-only]
 
 Per config, the local engine and every Ray placement are built side by side and measured in
 turns (level by level, round by round), so a busy machine slows them alike; the figure to read is
@@ -15,6 +15,9 @@ executor call, each actor's compute measured inside it, commit), and CPU seconds
 per step, which shows a process that spins while it waits, and minor page faults per step (memory
 the allocator maps afresh each step). Coordination = executor wall time
 minus the actors' compute (in the local engine the executor is the compute).
+
+Levers (skipped by --quick), same engine in turns: step batches packed vs Ray's pickler, channel
+reads that sleep through the expected wait vs plain backoff, and spinning vs sleeping reads.
 """
 
 from __future__ import annotations
@@ -262,6 +265,58 @@ def wait_levers(args) -> dict:
     return out
 
 
+def _set_transport(actor_self, packed: bool, expected_fraction: float) -> None:
+    """Runs in each process of a Ray engine: step batches packed (actors.wire) or through Ray's
+    own pickler, and the share of the recent wait a channel read sleeps through first."""
+    from actors import channel_wait, wire
+
+    for cls in wire.WIRE_TYPES:
+        ray.util.deregister_serializer(cls)
+    if packed:
+        wire.register()
+    channel_wait.EXPECTED_FRACTION = expected_fraction
+
+
+TRANSPORTS = {"packed+expected": (True, None), "pickled+expected": (False, None), "packed+backoff": (True, 0.0)}
+
+
+def transport_levers(args) -> dict:
+    """Same engine, same run, in turns: step batches packed vs Ray's pickler (actors.wire), and
+    channel reads that first sleep through most of the expected wait vs plain backoff
+    (actors.channel_wait). eagle3-tree and none, each placement."""
+    from actors import channel_wait
+
+    out = {}
+    for name in ("eagle3-tree", "none"):
+        for placement in args.placements:
+            engine = build_graph(variants(name, args)[f"ray/{placement}"])
+            try:
+                engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
+                probe = Probe(engine)
+                processes = [engine.scheduler, *probe.actors]
+                runs: dict = {}
+                for _ in range(args.rounds):
+                    for mode, (packed, fraction) in TRANSPORTS.items():
+                        fraction = channel_wait.EXPECTED_FRACTION if fraction is None else fraction
+                        ray.get([p.__ray_call__.remote(_set_transport, packed, fraction) for p in processes])
+                        probe.run(1, 4)  # the reads' recent waits follow the new mode
+                        for b in args.profile_batches:
+                            runs.setdefault(mode, {}).setdefault(str(b), []).append(probe.run(b, args.max_tokens))
+                key = f"{name}/ray/{placement}"
+                out[key] = {mode: {b: {"step_ms": statistics.median(r["step_ms"] for r in rs),
+                                       "coordination_ms": statistics.median(r["coordination_ms"] for r in rs),
+                                       "cpu_ms_per_step": rs[-1]["cpu_ms_per_step"], "runs": rs}
+                                   for b, rs in per.items()} for mode, per in runs.items()}
+                for mode, per in out[key].items():
+                    print(f"  {key} {mode:16s} " + "; ".join(
+                        f"b={b} step {p['step_ms']:.1f} ms coordination {p['coordination_ms']:.2f} ms CPU ms/step "
+                        f"{json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}"
+                        for b, p in per.items()), flush=True)
+            finally:
+                engine.shutdown()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -273,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="throughput runs per level and variant (median)")
     parser.add_argument("--profile-batches", default="1,16")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores each engine gets")
-    parser.add_argument("--no-levers", action="store_true", help="skip the spinning-vs-sleeping reads comparison")
+    parser.add_argument("--no-levers", action="store_true", help="skip the lever comparisons (reads, transport)")
+    parser.add_argument("--levers-only", action="store_true", help="only the lever comparisons")
     parser.add_argument("--quick", action="store_true", help="1 round, levels 1,16, 16 tokens, no lever comparison")
     parser.add_argument("--out", default="bench/results/graph.json")
     parser.add_argument("--plot", action="store_true")
@@ -294,8 +350,9 @@ def main(argv: list[str] | None = None) -> dict:
               "configs": {}}
     try:
         if not args.no_levers:
+            result["transport_levers"] = transport_levers(args)
             result["wait_levers"] = wait_levers(args)
-        for name in args.configs.split(","):
+        for name in ([] if args.levers_only else args.configs.split(",")):
             result["configs"][name] = measure_config(name, args)
             print(summary(name, result["configs"][name]), flush=True)
     finally:
@@ -303,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    if args.plot:
+    if args.plot and result["configs"]:
         plot(result, out.with_suffix(".png"))
     return result
 
