@@ -30,17 +30,6 @@ log = logging.getLogger(__name__)
 RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the budget
 
 
-# The model runners' glibc malloc. By default a freed block above 128 KB raises glibc's mmap
-# threshold to its size (up to 32 MB) and its trim threshold to twice that, so the heap keeps up
-# to 64 MB of freed pages at its top. Fixing the threshold at that 32 MB ceiling keeps the trim
-# threshold at 128 KB (the heap's top goes back to the kernel) while activations still come from
-# the heap: a 1 MB threshold put every activation above 1 MB in its own mapping, freshly
-# page-faulted on each use, and cost the local engine's step at batch 16 (eagle3-tree, fp32)
-# 20187 minor faults and 47 ms of system CPU against 329 and 6 ms with glibc's defaults (4 MB:
-# 13393; 32 MB: 170; `ru_minflt`, in-process, same run).
-RUNNER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
-
-
 class RestartBudget:
     """At most `limit` actor restarts within any `window_s`: healthy time pays it back."""
 
@@ -112,7 +101,10 @@ class GraphRuntime:
 
     def _options(self, bundle: int, num_cpus: float, num_gpus: float) -> dict:
         return dict(
-            num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": RUNNER_ENV},
+            # glibc's malloc as the local engine has it: a fixed mmap threshold (1 MB, then 32 MB)
+            # cost a batch-16 eagle3-tree step 20187 (4928) minor faults against 423 (steps run in a
+            # thread, as in the actor; docs/benchmarks.md).
+            num_cpus=num_cpus, num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         )
 
