@@ -9,10 +9,12 @@ so a wait costs at most `max_sleep_s` of latency and next to no CPU.
 
 A try costs 30-45 us of CPU here (Python, Ray's channel, the exception of an empty read), and
 every wake-up preempts one of the target's threads: at 500 us a 60 ms step cost its reader
-~105 tries. Steps repeat, so a reader first sleeps through most of the shortest of its last
-RECENT waits (EXPECTED_FRACTION of it) in one go, then tries as above: a step more than that
-much shorter than all recent ones is read late once, by at most the difference. Waits are
-remembered per writer (a compiled graph reads each output through a ring of channels).
+~105 tries. Steps repeat, so a reader can first sleep through EXPECTED_FRACTION of the
+shortest of its last RECENT waits in one go, then try as above (0.75: ~25-50 tries per 60 ms
+step): a step more than that much shorter than all recent ones is then read late once, by at
+most the difference. Waits are remembered per writer (a compiled graph reads each output
+through a ring of channels). Off (0) until measured: `bench.graph --levers-only` runs it
+against plain backoff in the same run ("packed+expected" vs "packed+backoff").
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ray.experimental.channel import shared_memory_channel
 
 PAUSE_S = 20e-6  # first sleep: a value that is almost there costs next to nothing
 RECENT = 8  # waits per writer remembered
-EXPECTED_FRACTION = 0.75  # of the shortest recent wait, slept through before the next try
+EXPECTED_FRACTION = 0.0  # of the shortest recent wait, slept through before the next try (0: off)
 
 _EMPTY = object()  # no value read yet (a read may return None)
 _recent_waits: dict = {}  # writer's actor id (None: the driver) -> its last RECENT waits in seconds

@@ -277,15 +277,14 @@ def _set_transport(actor_self, packed: bool, expected_fraction: float) -> None:
     channel_wait.EXPECTED_FRACTION = expected_fraction
 
 
-TRANSPORTS = {"packed+expected": (True, None), "pickled+expected": (False, None), "packed+backoff": (True, 0.0)}
+EXPECTED = 0.75  # channel_wait.EXPECTED_FRACTION the "expected" modes try (the default is 0: plain backoff)
+TRANSPORTS = {"packed+backoff": (True, 0.0), "pickled+backoff": (False, 0.0), "packed+expected": (True, EXPECTED)}
 
 
 def transport_levers(args) -> dict:
     """Same engine, same run, in turns: step batches packed vs Ray's pickler (actors.wire), and
     channel reads that first sleep through most of the expected wait vs plain backoff
     (actors.channel_wait). eagle3-tree and none, each placement."""
-    from actors import channel_wait
-
     out = {}
     for name in ("eagle3-tree", "none"):
         for placement in args.placements:
@@ -297,7 +296,6 @@ def transport_levers(args) -> dict:
                 runs: dict = {}
                 for _ in range(args.rounds):
                     for mode, (packed, fraction) in TRANSPORTS.items():
-                        fraction = channel_wait.EXPECTED_FRACTION if fraction is None else fraction
                         ray.get([p.__ray_call__.remote(_set_transport, packed, fraction) for p in processes])
                         probe.run(1, 4)  # the reads' recent waits follow the new mode
                         for b in args.profile_batches:
