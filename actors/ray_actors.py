@@ -1,7 +1,7 @@
 """Thin Ray actor wrappers over the plain runner classes.
 
 Each wrapper times its own compute, so benchmarks can separate Ray overhead (step wall
-time minus compute) from model time. Actors in a compiled graph still answer ordinary
+time minus compute) from model time, and sends its step batches packed (actors.wire). Actors in a compiled graph still answer ordinary
 `.remote()` calls such as `stats()`.
 """
 
@@ -11,12 +11,17 @@ import time
 
 import ray
 
-from actors import channel_wait
+from actors import channel_wait, wire
 from actors.step import run_step
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
 
 class _Timed:
+    def _start(self) -> None:
+        """Per process, before the first step: batches this actor returns travel packed."""
+        wire.register()
+        self._reset_stats()
+
     def _reset_stats(self) -> None:
         self._compute_s = 0.0
         self._calls = 0
@@ -51,7 +56,7 @@ class TargetActor(_Timed):
     def __init__(self, **runner_kwargs):
         from actors.target_runner import TargetRunner
 
-        self._reset_stats()
+        self._start()
         self.runner = TargetRunner(**runner_kwargs)
 
     def forward_step(self, meta_and_verify: tuple[BatchMeta, VerifyInput]) -> DraftExtendInput:
@@ -65,7 +70,7 @@ class DraftActor(_Timed):
     layer imports nothing above it)."""
 
     def __init__(self, build, *args, **kwargs):
-        self._reset_stats()
+        self._start()
         self.drafter = build(*args, **kwargs)
 
     def propose(self, step: tuple[BatchMeta, DraftInput]) -> tuple[BatchMeta, VerifyInput]:
@@ -86,7 +91,7 @@ class TargetDraftActor(_Timed):
     def __init__(self, target_kwargs: dict, build, *args, **kwargs):
         from actors.target_runner import TargetRunner
 
-        self._reset_stats()
+        self._start()
         self.runner = TargetRunner(**target_kwargs)
         self.drafter = build(*args, **kwargs)
 

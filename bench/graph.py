@@ -2,7 +2,7 @@
 NGRAM and the `make serve` EAGLE-3 tree, each Ray run with the drafter colocated in the target's
 actor and in its own actor.
 
-    python -m bench.graph [--plot] [--quick]
+    python -m bench.graph [--plot] [--quick] [--levers-only]
 
 Per config, the local engine and every Ray placement are built side by side and measured in
 turns (level by level, round by round), so a busy machine slows them alike; the figure to read is
@@ -12,8 +12,12 @@ the target's threads).
 
 Per-step profile at `--profile-batches`: where one step's wall time goes (scheduler plan, the
 executor call, each actor's compute measured inside it, commit), and CPU seconds per process
-per step, which shows a process that spins while it waits. Coordination = executor wall time
+per step, which shows a process that spins while it waits, and minor page faults per step (memory
+the allocator maps afresh each step). Coordination = executor wall time
 minus the actors' compute (in the local engine the executor is the compute).
+
+Levers (skipped by --quick), same engine in turns: step batches packed vs Ray's pickler, channel
+reads that sleep through the expected wait vs plain backoff, and spinning vs sleeping reads.
 """
 
 from __future__ import annotations
@@ -154,14 +158,17 @@ class Probe:
     def _cpu(self) -> dict:
         return {name: cpu_seconds(info["pid"]) for name, info in self.processes.items()}
 
+    def _faults(self) -> dict:
+        return {name: minor_faults(info["pid"]) for name, info in self.processes.items()}
+
     def run(self, batch: int, max_tokens: int) -> dict:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self._totals(), self._compute()
-        cpu0 = self._cpu()
+        cpu0, faults0 = self._cpu(), self._faults()
         start = time.perf_counter()
         self.engine.chat(conversations(batch), params)
         wall = time.perf_counter() - start
-        cpu1 = self._cpu()
+        cpu1, faults1 = self._cpu(), self._faults()
         totals, compute = self._totals(), self._compute()
         steps = totals["step"][1]
         ms = {key: 1e3 * totals.get(key, (0.0, 0))[0] / steps for key in TIMED}
@@ -172,13 +179,24 @@ class Probe:
                 "coordination_fraction": coordination / ms["step"],
                 "cpu_ms_per_step": {k: 1e3 * (cpu1[k] - cpu0[k]) / steps for k in cpu0},
                 "cpu_busy_fraction": {k: (cpu1[k] - cpu0[k]) / wall for k in cpu0},
+                "minor_faults_per_step": {k: (faults1[k] - faults0[k]) / steps for k in faults0},
                 "torch_threads": {k: v["torch_threads"] for k, v in self.processes.items()}}
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat fields after the command name (field 3 of proc(5) is index 0)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def minor_faults(pid: int) -> int:
+    """Minor page faults of a process so far: memory the allocator keeps mapping afresh."""
+    return int(_stat(pid)[7])
 
 
 def throughput(engine, concurrency: int, max_tokens: int) -> dict:
@@ -247,6 +265,56 @@ def wait_levers(args) -> dict:
     return out
 
 
+def _set_transport(actor_self, packed: bool, expected_fraction: float) -> None:
+    """Runs in each process of a Ray engine: step batches packed (actors.wire) or through Ray's
+    own pickler, and the share of the recent wait a channel read sleeps through first."""
+    from actors import channel_wait, wire
+
+    for cls in wire.WIRE_TYPES:
+        ray.util.deregister_serializer(cls)
+    if packed:
+        wire.register()
+    channel_wait.EXPECTED_FRACTION = expected_fraction
+
+
+EXPECTED = 0.75  # channel_wait.EXPECTED_FRACTION the "expected" modes try (the default is 0: plain backoff)
+TRANSPORTS = {"packed+backoff": (True, 0.0), "pickled+backoff": (False, 0.0), "packed+expected": (True, EXPECTED)}
+
+
+def transport_levers(args) -> dict:
+    """Same engine, same run, in turns: step batches packed vs Ray's pickler (actors.wire), and
+    channel reads that first sleep through most of the expected wait vs plain backoff
+    (actors.channel_wait). eagle3-tree and none, each placement."""
+    out = {}
+    for name in ("eagle3-tree", "none"):
+        for placement in args.placements:
+            engine = build_graph(variants(name, args)[f"ray/{placement}"])
+            try:
+                engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
+                probe = Probe(engine)
+                processes = [engine.scheduler, *probe.actors]
+                runs: dict = {}
+                for _ in range(args.rounds):
+                    for mode, (packed, fraction) in TRANSPORTS.items():
+                        ray.get([p.__ray_call__.remote(_set_transport, packed, fraction) for p in processes])
+                        probe.run(1, 4)  # the reads' recent waits follow the new mode
+                        for b in args.profile_batches:
+                            runs.setdefault(mode, {}).setdefault(str(b), []).append(probe.run(b, args.max_tokens))
+                key = f"{name}/ray/{placement}"
+                out[key] = {mode: {b: {"step_ms": statistics.median(r["step_ms"] for r in rs),
+                                       "coordination_ms": statistics.median(r["coordination_ms"] for r in rs),
+                                       "cpu_ms_per_step": rs[-1]["cpu_ms_per_step"], "runs": rs}
+                                   for b, rs in per.items()} for mode, per in runs.items()}
+                for mode, per in out[key].items():
+                    print(f"  {key} {mode:16s} " + "; ".join(
+                        f"b={b} step {p['step_ms']:.1f} ms coordination {p['coordination_ms']:.2f} ms CPU ms/step "
+                        f"{json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}"
+                        for b, p in per.items()), flush=True)
+            finally:
+                engine.shutdown()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -258,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="throughput runs per level and variant (median)")
     parser.add_argument("--profile-batches", default="1,16")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores each engine gets")
-    parser.add_argument("--no-levers", action="store_true", help="skip the spinning-vs-sleeping reads comparison")
+    parser.add_argument("--no-levers", action="store_true", help="skip the lever comparisons (reads, transport)")
+    parser.add_argument("--levers-only", action="store_true", help="only the lever comparisons")
     parser.add_argument("--quick", action="store_true", help="1 round, levels 1,16, 16 tokens, no lever comparison")
     parser.add_argument("--out", default="bench/results/graph.json")
     parser.add_argument("--plot", action="store_true")
@@ -279,8 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
               "configs": {}}
     try:
         if not args.no_levers:
+            result["transport_levers"] = transport_levers(args)
             result["wait_levers"] = wait_levers(args)
-        for name in args.configs.split(","):
+        for name in ([] if args.levers_only else args.configs.split(",")):
             result["configs"][name] = measure_config(name, args)
             print(summary(name, result["configs"][name]), flush=True)
     finally:
@@ -288,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    if args.plot:
+    if args.plot and result["configs"]:
         plot(result, out.with_suffix(".png"))
     return result
 
@@ -304,7 +374,8 @@ def summary(name: str, res: dict) -> str:
             lines.append(f"  profile {key:15s} b={batch:>3s} step {p['step_ms']:6.1f} ms: plan {p['plan_ms']:.2f} "
                          f"execute {p['execute_ms']:.1f} (compute {sum(p['compute_ms'].values()):.1f}, coordination "
                          f"{p['coordination_ms']:.2f} = {100 * p['coordination_fraction']:.1f}%) commit "
-                         f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}")
+                         f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}; "
+                         f"minor faults/step {json.dumps({k: round(v) for k, v in p['minor_faults_per_step'].items()})}")
     return "\n".join(lines)
 
 

@@ -30,14 +30,6 @@ log = logging.getLogger(__name__)
 RESTART_WINDOW_S = 600.0  # restarts older than this no longer count against the budget
 
 
-# The model runners' glibc malloc. By default a freed block above 128 KB raises glibc's mmap
-# threshold to its size (up to 32 MB), after which activations of that size come from the heap,
-# and the heap keeps the pages they leave between live blocks. A fixed threshold keeps tensors
-# from 1 MB up in their own mappings, returned whole when freed: in bench.soak the target actor
-# started ~270 MiB lower with it and grew 2.6% where it had grown 3-5% (docs/benchmarks.md).
-RUNNER_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-
-
 class RestartBudget:
     """At most `limit` actor restarts within any `window_s`: healthy time pays it back."""
 
@@ -109,7 +101,10 @@ class GraphRuntime:
 
     def _options(self, bundle: int, num_cpus: float, num_gpus: float) -> dict:
         return dict(
-            num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": RUNNER_ENV},
+            # glibc's malloc as the local engine has it: a fixed mmap threshold (1 MB, then 32 MB)
+            # cost a batch-16 eagle3-tree step 20187 (4928) minor faults against 423 (steps run in a
+            # thread, as in the actor; docs/benchmarks.md).
+            num_cpus=num_cpus, num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
         )
 

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class SchedulerActor:
     def __init__(self, config, placement_group, bundle_offset: int = 0):
-        from actors import channel_wait
+        from actors import channel_wait, wire
         from actors.cost_probe import probe_step_costs
         from actors.scheduler import DataParallelScheduler, Scheduler
         from graphs.assembly import eos_token_ids, resolve_sources, scheduler_config
@@ -31,6 +31,7 @@ class SchedulerActor:
         from models.build import load_tokenizer
 
         channel_wait.install(config.graph_wait_sleep_us * 1e-6)  # this process reads the graph's outputs
+        wire.register()  # and writes its inputs: step batches travel packed
         target, draft = resolve_sources(config)
         tokenizer = load_tokenizer(target.folder)
         sched_config = scheduler_config(config, target, draft)

@@ -1,0 +1,93 @@
+"""actors/wire.py: step batches sent packed through Ray's pickler arrive exactly as sent
+(every field's values, dtype and shape; None stays None; idle zero-row inputs), and own
+their memory (the channel buffer they came from is reused by the next step)."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import fields
+
+import pytest
+import torch
+from ray import cloudpickle
+
+from actors import wire
+from spec import BatchMeta, DraftExtendInput, DraftInput, HiddenStateSpec, VerifyInput
+
+
+@pytest.fixture(scope="module", autouse=True)
+def packed():
+    wire.register()
+
+
+def through_ray(obj):
+    """What the other side of a Ray hop reads: Ray pickles with its CloudPickler."""
+    return pickle.loads(cloudpickle.dumps(obj, protocol=5))
+
+
+def assert_same(a, b) -> None:
+    assert type(a) is type(b)
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if x is None:
+            assert y is None, f.name
+            continue
+        assert (y.dtype, y.shape) == (x.dtype, x.shape), f.name
+        assert torch.equal(x, y), f.name
+
+
+def batches() -> list:
+    g = torch.Generator().manual_seed(0)
+    b, n = 3, 4
+    hidden = HiddenStateSpec(24, torch.bfloat16)
+    meta = BatchMeta(
+        seq_lens=torch.tensor([5, 9, 2]), kv_slots=torch.randint(0, 100, (b, 9), generator=g),
+        prefill_lens=torch.zeros(b, dtype=torch.long), prefill_tokens=torch.zeros((b, 0), dtype=torch.long),
+        prefill_slots=torch.zeros((b, 0), dtype=torch.long), next_token=torch.full((b,), -1),
+        scratch_slots=torch.arange(b * 3).reshape(b, 3), verify_slots=torch.arange(b * n).reshape(b, n),
+        temperature=torch.tensor([0.0, 0.7, 1.3]), top_p=torch.ones(b), top_k=torch.tensor([0, 5, 0]),
+        seeds=torch.tensor([1, 2, 3]), history=torch.randint(-1, 50, (b, 7), generator=g),
+        bias_values=torch.randn((b, 2), generator=g, dtype=torch.float64).float(),
+    )
+    draft = DraftInput(verified_id=torch.tensor([7, 8, 9]),
+                       hidden_states=torch.randn((b, 24), generator=g).to(torch.bfloat16),
+                       topk_p=torch.rand((b, 2), generator=g), topk_index=torch.randint(0, 50, (b, 2), generator=g))
+    tree = torch.rand((b, n, n), generator=g) > 0.5
+    verify = VerifyInput(draft_tokens=torch.randint(0, 50, (b, n), generator=g),
+                         parents=torch.tensor([[-1, 0, 0, 1]] * b), positions=torch.arange(b * n).reshape(b, n),
+                         tree_mask=tree)
+    ext = DraftExtendInput(tokens=torch.arange(6), next_tokens=torch.arange(1, 7), positions=torch.arange(6),
+                           slots=torch.arange(6) * 3, hidden_states=torch.randn((6, 48), generator=g),
+                           extend_lens=torch.tensor([2, 3, 1]), accept_lens=torch.tensor([1, 2, 0]),
+                           logprobs=torch.randn(6, generator=g), top_logprobs=torch.randn((6, 0), generator=g),
+                           top_ids=torch.zeros((6, 0), dtype=torch.long))
+    idle = [BatchMeta.create_idle(3, n), DraftInput.create_idle(hidden, 2), DraftInput.create_idle(None, 0),
+            VerifyInput.create_idle(n), DraftExtendInput.create_idle(None)]
+    return [meta, draft, verify, ext, ext.without_hidden_states(), *idle]
+
+
+@pytest.mark.parametrize("index", range(len(batches())))
+def test_batches_arrive_as_sent(index):
+    sent = batches()[index]
+    data = cloudpickle.dumps(sent, protocol=5)
+    assert b"actors.wire" in data  # Ray's pickler took the packed path
+    assert_same(sent, pickle.loads(data))
+
+
+def test_a_step_input_tuple_and_strided_tensors_arrive_as_sent():
+    meta, draft = batches()[:2]
+    draft.topk_p = torch.rand((2, 3)).t()  # (3, 2), not contiguous
+    got_meta, got_draft = through_ray((meta, draft))
+    assert_same(meta, got_meta)
+    assert_same(draft, got_draft)
+
+
+def test_received_tensors_own_writable_memory():
+    sent = batches()[0]
+    data = cloudpickle.dumps(sent, protocol=5)
+    got, again = pickle.loads(data), pickle.loads(data)
+    got.seq_lens += 100  # in place, as a runner may
+    got.kv_slots.zero_()
+    assert_same(sent, again)  # neither the sender's tensors nor another read changed
+    assert torch.equal(got.seq_lens, sent.seq_lens + 100)
+    assert torch.equal(got.history, sent.history)  # neighbours in the buffer untouched
