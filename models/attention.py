@@ -1,6 +1,6 @@
 """Ragged attention over a token-slot KV pool.
 
-Each layer owns one K and one V tensor of shape (num_slots, kv_heads, head_dim); the
+Each layer owns one K and one V tensor of shape (kv_heads, num_slots, head_dim); the
 scheduler hands out slot ids. A forward pass carries, per request, the slots of its
 committed context (prefix) and of its new tokens, plus a mask among the new tokens
 (causal for prefill, a tree mask for verify). Linear layers run on the flat (T, H) token
