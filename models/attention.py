@@ -1,6 +1,6 @@
 """Ragged attention over a token-slot KV pool.
 
-Each layer owns one K and one V tensor of shape (num_slots, kv_heads, head_dim); the
+Each layer owns one K and one V tensor of shape (kv_heads, num_slots, head_dim); the
 scheduler hands out slot ids. A forward pass carries, per request, the slots of its
 committed context (prefix) and of its new tokens, plus a mask among the new tokens
 (causal for prefill, a tree mask for verify). Linear layers run on the flat (T, H) token
@@ -109,10 +109,15 @@ def _place_tree_masks(mask: torch.Tensor, trees: list[int], new_masks: list[torc
 
 
 class KVPool:
-    """Per-layer K/V tensors indexed by slot ids: (num_slots, kv_heads, head_dim) each."""
+    """Per-layer K/V tensors indexed by slot ids: (kv_heads, num_slots, head_dim) each.
+
+    Head-major, so that gathering a batch's slots gives each KV head's keys as one contiguous
+    (B * K, D) block: the attention products then read them as (Hkv * B) plain matrices, where a
+    slot-major pool's gather had to be copied once more into that layout in every layer (the
+    largest of the small ops of a batch-16 decode step in a CPU profile)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
-        shape = (num_slots, kv_heads, head_dim)
+        shape = (kv_heads, num_slots, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
@@ -122,12 +127,12 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float,
 ) -> torch.Tensor:
-    """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens -> (T, Hq, D).
+    """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens, caches (Hkv, S, D) -> (T, Hq, D).
 
     Writes the new K/V into their slots, then attends over each request's gathered slots.
     """
-    k_cache.index_copy_(0, meta.out_slots, k)
-    v_cache.index_copy_(0, meta.out_slots, v)
+    k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
     if meta.fresh_lens is not None:
         return fresh_causal_attention(q, k, v, meta.fresh_lens, scale)
     num_tokens, heads, dim = q.shape
@@ -139,11 +144,14 @@ def paged_attention(
         q_pad = q
     q_pad = q_pad.view(batch, num_q, heads, dim)  # (B, Q, Hq, D)
     gather = meta.kv_index.flatten()
-    keys = k_cache.index_select(0, gather).view(batch, -1, *k_cache.shape[1:])  # (B, K, Hkv, D)
-    values = v_cache.index_select(0, gather).view(batch, -1, *v_cache.shape[1:])
-    out = masked_attention(q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), meta.mask, scale,
-                           expand_kv=q.is_cuda)  # (B, Hq, Q, D)
-    out = out.transpose(1, 2).reshape(batch * num_q, heads, dim)
+    keys = k_cache.index_select(1, gather).view(k_cache.shape[0], batch, -1, dim)  # (Hkv, B, K, D)
+    values = v_cache.index_select(1, gather).view(v_cache.shape[0], batch, -1, dim)
+    if use_grouped(q, num_q):
+        out = grouped_attention(q_pad, keys, values, meta.mask, scale)  # (B, Q, Hq, D)
+    else:
+        out = masked_attention(q_pad.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1), meta.mask, scale,
+                               expand_kv=q.is_cuda).transpose(1, 2)  # (B, Q, Hq, D)
+    out = out.reshape(batch * num_q, heads, dim)
     return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)
 
 
@@ -165,12 +173,8 @@ def fresh_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      expand_kv: bool) -> torch.Tensor:
     """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D); mask None:
-    causal (Q == K, every key a new token).
-
-    bf16 with a mask on CPU, at most GROUPED_MAX_QUERIES queries per request (decode and
-    verify), goes to `grouped_attention`: SDPA's CPU flash kernel takes 4-8x its fp32 time at those
-    shapes. Longer queries (prefill over a cached prefix) stay on SDPA, whose blocked kernel never
-    holds the (Q, K) scores whole and was faster from ~64 queries on.
+    causal (Q == K, every key a new token). SDPA; `paged_attention` sends decode and verify
+    (`use_grouped`) to `grouped_attention` instead.
 
     expand_kv (the CUDA path): give every query head its own view of its KV head instead of
     SDPA's enable_gqa, and run SDPA's memory-efficient kernel. With a mask, enable_gqa falls back
@@ -180,9 +184,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     memory-efficient kernel takes ~0.1 ms. On CPU, enable_gqa reads each KV head once, which is
     cheaper there."""
     causal = mask is None
-    if (not expand_kv and not causal and q.dtype in _GROUPED_DTYPES and q.device.type == "cpu"
-            and q.shape[2] <= GROUPED_MAX_QUERIES):
-        return grouped_attention(q, k, v, mask, scale)
     if not expand_kv:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
@@ -196,24 +197,36 @@ _GROUPED_DTYPES = (torch.bfloat16,)  # where it was measured to pay; fp16 stays 
 GROUPED_MAX_QUERIES = 16
 
 
+def use_grouped(q: torch.Tensor, num_q: int) -> bool:
+    """Whether a masked pass with `num_q` queries per request goes to `grouped_attention`: bf16
+    on CPU, at most GROUPED_MAX_QUERIES queries per request (decode and verify), where SDPA's CPU
+    flash kernel took 4-8x its fp32 time. Longer queries (prefill over a cached prefix) stay on
+    SDPA, whose blocked kernel never holds the (Q, K) scores whole and was faster from ~64
+    queries on."""
+    return q.device.type == "cpu" and q.dtype in _GROUPED_DTYPES and num_q <= GROUPED_MAX_QUERIES
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D), as two
-    batched matmuls in the inputs' dtype (oneDNN's native bf16 products, fp32 accumulation) with
-    the scale, mask and softmax in fp32. The G = Hq / Hkv query heads that share a KV head become
-    G * Q rows of one product, so each KV head is read once and never repeated.
+    """q (B, Q, Hq, D), k/v (Hkv, B, K, D) head-major as the pool gathers them, mask (B, 1, Q, K)
+    bool -> (B, Q, Hq, D), as two batched matmuls in the inputs' dtype (oneDNN's native bf16
+    products, fp32 accumulation) with the scale, mask and softmax in fp32. The G = Hq / Hkv query
+    heads that share a KV head become G * Q rows of one product, so each KV head is read once
+    and never repeated, and the (Hkv * B) keys matrices are read in place.
 
     On the 2-core AVX512-BF16 CPU, at 16 requests x 1 query x 200 keys (SmolLM2-135M's 9/3
     heads): 1.7 ms against SDPA's 8.1 ms in bf16 (and SDPA's 1.2 ms in fp32); 1000 keys: 3.3
     against 33 ms (docs/benchmarks.md)."""
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    b, nq, hq, d = q.shape
+    hkv, nk = k.shape[0], k.shape[2]
     group = hq // hkv
-    scores = torch.matmul(q.reshape(b, hkv, group * nq, d), k.transpose(-1, -2))  # (B, Hkv, G * Q, K)
-    scores = scores.view(b, hkv, group, nq, nk).float() * scale
-    scores = scores.masked_fill_(~mask.unsqueeze(2), float("-inf"))  # mask (B, 1, 1, Q, K)
-    probs = scores.softmax(-1).to(v.dtype).view(b, hkv, group * nq, nk)
-    return torch.matmul(probs, v).view(b, hq, nq, d)
+    rows = q.view(b, nq, hkv, group, d).permute(2, 0, 3, 1, 4).reshape(hkv * b, group * nq, d)  # (Hkv * B, G * Q, D)
+    scores = torch.bmm(rows, k.view(hkv * b, nk, d).transpose(1, 2))  # (Hkv * B, G * Q, K)
+    scores = scores.view(hkv, b, group, nq, nk).float() * scale
+    scores = scores.masked_fill_(~mask.view(1, b, 1, nq, nk), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype).view(hkv * b, group * nq, nk)
+    out = torch.bmm(probs, v.view(hkv * b, nk, d))  # (Hkv * B, G * Q, D)
+    return out.view(hkv, b, group, nq, d).permute(1, 3, 0, 2, 4).reshape(b, nq, hq, d)
 
 
 def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:

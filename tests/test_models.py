@@ -319,10 +319,10 @@ def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
 def test_grouped_bf16_attention_matches_a_softmax_reference(heads, kv_heads):
-    """masked_attention's bf16 CPU path (query heads sharing a KV head as rows of one product)
-    equals a plain fp32 softmax over the same bf16 inputs, to bf16 rounding; padded-out keys
-    holding huge values stay unread."""
-    from models.attention import masked_attention
+    """grouped_attention, the bf16 CPU decode/verify path (query heads sharing a KV head as rows of
+    one product, keys head-major as the pool gathers them), equals a plain fp32 softmax over the
+    same bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
+    from models.attention import grouped_attention
 
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, q_len, k_len, d = 3, 5, 11, 16
@@ -335,9 +335,10 @@ def test_grouped_bf16_attention_matches_a_softmax_reference(heads, kv_heads):
     kv_of_head = torch.arange(heads) // (heads // kv_heads)
     scores = (q.float() @ k[:, kv_of_head].float().transpose(-1, -2)) * 0.25
     reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head].float()
-    got = masked_attention(q, k, v, mask, 0.25, expand_kv=False)
+    got = grouped_attention(q.transpose(1, 2), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), mask,
+                            0.25)  # (B, Q, Hq, D)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.transpose(1, 2).float(), reference, rtol=2e-2, atol=2e-2)
 
 
 def test_ragged_batch_equals_requests_one_by_one(tiny_target):
@@ -356,12 +357,12 @@ def test_ragged_batch_equals_requests_one_by_one(tiny_target):
     untouched = torch.ones(NUM_SLOTS, dtype=torch.bool)
     untouched[written] = False
     for old, new in zip(before, kv.k + kv.v):
-        assert torch.equal(old[untouched], new[untouched]), "the batch wrote outside its new tokens' slots"
+        assert torch.equal(old[:, untouched], new[:, untouched]), "the batch wrote outside its new tokens' slots"
 
     for b, req in enumerate(batch):
         alone = garbage_pool(p.ours, seed=100 + b)  # other requests' slots now hold other values
         for old, new in zip(before, alone.k + alone.v):
-            new[req.prefix_slots] = old[req.prefix_slots]
+            new[:, req.prefix_slots] = old[:, req.prefix_slots]
         (logits,), _ = ours_forward(p.ours, alone, [req])
         assert_close(batched[b], logits, what=f"request {b} batched vs alone")
         assert_close(batched[b], hf_expected(p.hf, req), what=f"request {b} vs transformers")

@@ -66,7 +66,7 @@ def _draft_keys_at_start(engine, requests):
 
     def watch(sched):
         for r in sched.running:
-            seen.setdefault(r.rid, drafter.kv.k[0][torch.tensor(r.slots)].clone())
+            seen.setdefault(r.rid, drafter.kv.k[0][:, torch.tensor(r.slots)].clone())
 
     outs = _outputs(engine, requests, watch)
     return outs, [seen[o.request_id] for o in outs]
