@@ -80,15 +80,23 @@ def _assert_kv_back(sched):
 
 @pytest.mark.parametrize("algorithm,draft,topk,n,steps", ALGORITHMS)
 def test_chunked_prefill_and_preemption_are_lossless(request, algorithm, draft, topk, n, steps):
-    """A token budget of 7 prefills the long prompts over several steps while others decode, and
-    a pool of 150 slots (the requests want ~400) preempts and recomputes: same tokens."""
+    """A token budget of 16 prefills the long prompts over several steps, each chunk in one
+    forward with the running requests' verify rows (mixed steps), and a pool of 100 slots (the
+    requests want ~400) preempts and recomputes: same tokens."""
     spec = (algorithm, draft, topk, n, steps)
     reference = _run(_engine(request, *spec, **UNCONSTRAINED), _workload())
-    engine = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7, prefix_cache=False)
+    engine = _engine(request, *spec, kv_slots=100, max_num_batched_tokens=16, prefix_cache=False)
     seen = {"mixed": False, "front": True}
+    plan = engine.scheduler.plan
+
+    def watch_plan():
+        step = plan()
+        seen["mixed"] |= step.kind == "mixed"
+        return step
+
+    engine.scheduler.plan = watch_plan
 
     def watch(sched):
-        seen["mixed"] |= bool(sched.prefilling and sched.running)
         # A preempted request waits before every request that never ran (no starvation).
         started = [r.admit_seq >= 0 for r in sched.waiting]
         seen["front"] &= started == sorted(started, reverse=True)
