@@ -68,7 +68,8 @@ class AttentionMetadata:
         batch = len(new_slots)
         prefix_lens = torch.tensor([int(p.numel()) for p in prefix_slots], dtype=torch.long)  # (B,)
         new_lens = torch.tensor([int(s.numel()) for s in new_slots], dtype=torch.long)
-        runs = _query_runs(new_lens)
+        fresh = not bool(prefix_lens.any()) and all(m is None for m in new_masks)  # unpadded already
+        runs = [] if fresh else _query_runs(new_lens)
         if len(runs) > 1:
             return cls._in_parts(runs, prefix_slots, new_slots, positions, new_masks, new_lens, device)
         kv_lens = prefix_lens + new_lens

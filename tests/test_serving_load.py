@@ -146,7 +146,7 @@ def test_prefix_cache_hits_are_lossless(request, algorithm, draft, topk, n, step
     # Every second turn finds its whole first turn but the last token (not in the KV).
     assert cache.hit_tokens - hits_before >= sum(len(p) + len(a) - 1 for (p, _), a in zip(first, answers))
     _assert_kv_back(cached.scheduler)
-    small = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7)
+    small = _engine(request, *spec, kv_slots=120, max_num_batched_tokens=16)
     _run(small, first)
     assert _run(small, second) == _run(plain, second)
     assert small.scheduler.stats.preemptions > 0
