@@ -87,14 +87,13 @@ def test_chunked_prefill_and_preemption_are_lossless(request, algorithm, draft, 
     reference = _run(_engine(request, *spec, **UNCONSTRAINED), _workload())
     engine = _engine(request, *spec, kv_slots=100, max_num_batched_tokens=16, prefix_cache=False)
     seen = {"mixed": False, "front": True}
-    plan = engine.scheduler.plan
+    commit = engine.scheduler.commit
 
-    def watch_plan():
-        step = plan()
-        seen["mixed"] |= step.kind == "mixed"
-        return step
+    def watch_commit(plan, *args):
+        seen["mixed"] |= plan.kind == "mixed"  # committed as one step, not rerun request by request
+        return commit(plan, *args)
 
-    engine.scheduler.plan = watch_plan
+    engine.scheduler.commit = watch_commit
 
     def watch(sched):
         # A preempted request waits before every request that never ran (no starvation).
