@@ -88,9 +88,9 @@ class Scheduler:
     """Requests move waiting -> prefilling -> running. A step decodes the running batch and
     prefills prompt chunks in what its verify rows leave of `max_num_batched_tokens`, in one
     forward, so a long prompt prefills over several steps while the running requests keep
-    decoding at every step. KV is allocated as requests grow; when the pool runs short the newest request is
-    preempted (its KV goes to the prefix cache or the pool, it waits at the front of the queue and
-    is recomputed), so nothing is reserved up front and no big request blocks admission."""
+    decoding at every step. KV is allocated as requests grow; when the pool runs short the newest
+    request is preempted (its KV goes to the prefix cache or the pool, it waits at the front of the
+    queue and is recomputed), so nothing is reserved up front and no big request blocks admission."""
 
     def __init__(self, config: SchedulerConfig, executor: StepExecutor, tokenizer, eos_ids: set[int]):
         self.config = config
@@ -525,8 +525,8 @@ class Scheduler:
         )
 
     def _plan_prefill(self, only: Request | None = None, budget: int | None = None) -> "StepPlan | None":
-        """Chunks of at most `budget` (max_num_batched_tokens) tokens in all: the admitted prompts' next chunks
-        oldest first, then newly admitted requests from the front of the queue (each whole chunk
+        """Chunks of at most `budget` (max_num_batched_tokens) tokens in all: the admitted prompts'
+        next chunks oldest first, then newly admitted requests from the front of the queue (each whole chunk
         must fit the pool: a new request does not start by holding a sliver of it). `only`: that
         request's next chunk alone (isolating a failure). None when nothing fits. On any error the
         step's slots are freed and its admissions undone (nothing leaks)."""

@@ -100,7 +100,6 @@ class AttentionMetadata:
             fresh_lens=new_lens.tolist() if not bool(prefix_lens.any()) and not trees else None,
         )
 
-
     @classmethod
     def _in_parts(cls, runs: list[tuple[int, int]], prefix_slots, new_slots, positions, new_masks,
                   new_lens: torch.Tensor, device) -> "AttentionMetadata":
