@@ -1,6 +1,6 @@
 """Drafters: propose a tree of tokens per request, then catch up on what the target committed.
 
-    propose(meta, DraftInput) -> VerifyInput          (idle in a prefill step)
+    propose(meta, DraftInput) -> VerifyInput          (for the decode rows; idle in a prefill step)
     extend(meta, DraftExtendInput) -> DraftInput
 
 DraftRunner wraps a draft model (EAGLE, EAGLE3, STANDALONE) and its KV pool, indexed by
@@ -72,8 +72,9 @@ class _ModelFreeDrafter:
 
     def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
         batch = draft_input.num_requests
-        if meta.is_prefill or batch == 0:
+        if batch == 0:
             return VerifyInput.create_idle(self.tree_size)
+        meta = meta.decode_part()  # a mixed step's prefill rows have nothing to draft
         nodes = step_nodes(meta, self.tree_size)
         if nodes == 1:
             return root_only(meta, draft_input)
@@ -213,15 +214,25 @@ class DraftRunner:
             return DraftInput.create_idle(self.hidden_spec, self.topk if self.shifted else 0)
         if self.input_spec is not None:
             self.input_spec.check(ext.hidden_states, "draft.extend input")
-        if not meta.is_prefill and step_nodes(meta, self.tree_size) == 1:
-            return self._defer(meta, ext)
+        decode = meta.num_decode
+        if decode and step_nodes(meta, self.tree_size) == 1:
+            if decode == meta.num_requests:
+                return self._defer(meta, ext)
+            # A mixed step whose decode rows were plain: they wait, its prompt chunks extend.
+            rest = torch.arange(decode, ext.num_requests)
+            return self._defer(meta.decode_part(), ext.filter(torch.arange(decode))).merge(
+                self._extend(meta.prefill_part(), ext.filter(rest)))
+        return self._extend(meta, ext)
+
+    def _extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
+        """Write the draft KV of `ext`'s tokens (accepted verify rows, prompt chunks, or both)."""
         if self._pending:  # a reused slot's leftover (its request ended while waiting)
             for slot in ext.slots.tolist():
                 self._pending.pop(slot, None)
             if meta.is_prefill:
                 # A prefix cache hit can end in tokens whose draft KV still waits (the request that
                 # computed them ended after plain steps): write it before extending past it.
-                rows, prefix, waiting = self._waiting(meta)
+                rows, prefix, waiting = self._waiting(meta.prefill_part())
                 if rows:
                     self._catch_up(prefix, waiting)
         return self._write([meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())], ext)
@@ -331,8 +342,9 @@ class DraftRunner:
         at least that likely (`confident_nodes`) and stops the levels there. Requests whose draft
         waits behind plain steps are caught up first (`_caught_up`)."""
         batch, k = draft_input.num_requests, self.topk
-        if meta.is_prefill or batch == 0:
+        if batch == 0:
             return VerifyInput.create_idle(self.tree_size)
+        meta = meta.decode_part()  # a mixed step's prefill rows have nothing to draft
         nodes = step_nodes(meta, self.tree_size)
         if nodes == 1:
             return root_only(meta, draft_input)

@@ -1,9 +1,10 @@
 """Scheduler: request queue, continuous batching, KV slot accounting and the step loop.
 
-Each step is either a prefill step (chunks of prompts within a token budget: the target
-extends over them from wherever their KV ends, the draft catches up; a request whose prompt is
-complete joins the running batch with its DraftInput row) or a decode step (draft propose ->
-target verify -> draft extend over the running batch).
+Each step carries the running batch's decode (draft propose -> target verify -> draft extend)
+and, within a token budget, chunks of prompts (the target extends over them from wherever their
+KV ends, the draft catches up; a request whose prompt is complete joins the running batch with
+its DraftInput row), both in one forward (a mixed step, as vLLM V1 and Sarathi-Serve run them);
+a step with nothing running is a prefill step, one with no prompt waiting a decode step.
 Every phase runs every step; the one with no work gets an idle input from `spec/`, exactly
 as the compiled Ray graph will run it. The executor that runs a step is pluggable: local
 calls in one process, or a Ray compiled graph.
@@ -37,12 +38,14 @@ log = logging.getLogger(__name__)
 class StepPlan:
     """One step's inputs for one rank, and what the scheduler must remember to commit it."""
 
-    kind: str  # "prefill" | "decode" | "resync" | "idle"
+    kind: str  # "prefill" | "decode" | "mixed" | "resync" | "idle"
     requests: list[Request]
     meta: BatchMeta
     draft_input: DraftInput
     rows: list[int] | None = None  # decode of these running rows only (isolating a failure); None: all
     admitted: list[Request] = field(default_factory=list)  # prefill: requests it took off the queue
+    # mixed: its decode plan and prefill plan; their metas merged, decode rows first, are `meta`
+    parts: tuple["StepPlan", "StepPlan"] | None = None
 
 
 class StepExecutor(Protocol):
@@ -82,12 +85,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    """Requests move waiting -> prefilling -> running. A step is a decode of the running batch or
-    a prefill of prompt chunks within `max_num_batched_tokens`; when both have work they
-    alternate, so a long prompt prefills over several steps while the running requests keep
-    decoding. KV is allocated as requests grow; when the pool runs short the newest request is
-    preempted (its KV goes to the prefix cache or the pool, it waits at the front of the queue and
-    is recomputed), so nothing is reserved up front and no big request blocks admission."""
+    """Requests move waiting -> prefilling -> running. A step decodes the running batch and
+    prefills prompt chunks in what its verify rows leave of `max_num_batched_tokens`, in one
+    forward, so a long prompt prefills over several steps while the running requests keep
+    decoding at every step. KV is allocated as requests grow; when the pool runs short the newest
+    request is preempted (its KV goes to the prefix cache or the pool, it waits at the front of the
+    queue and is recomputed), so nothing is reserved up front and no big request blocks admission."""
 
     def __init__(self, config: SchedulerConfig, executor: StepExecutor, tokenizer, eos_ids: set[int]):
         self.config = config
@@ -105,7 +108,6 @@ class Scheduler:
         self._failed: list[Request] = []  # failed outside a step's own requests, not yet reported
         self._next_rid = 0
         self._admissions = itertools.count()
-        self._last_kind = "idle"
         self._rng = random.SystemRandom()
         self.vocab_size = config.vocab_size or len(tokenizer)
         self.policy = TreeSizePolicy(config.tree_size, config.draft_depth, config.adaptive,
@@ -218,34 +220,52 @@ class Scheduler:
         """Choose this step's work and allocate its KV slots: prefill chunks, a decode of the
         running batch, or an idle step (inputs from spec/). A request that cannot be planned
         (alone) fails alone; the step goes on without it."""
-        prefill = self._prefill_turn()
+        prefill = self._prefill_work()
         try:
-            plan = self._plan_prefill() if prefill else None
-            if plan is None and self.running:
+            if self.running:
                 plan = self._plan_decode()
+                plan = self._with_chunks(plan) if prefill else plan
+            else:
+                plan = self._plan_prefill() if prefill else None
             if plan is None and self.prefilling and not self.running:
                 self._preempt_newest()  # partial prompts hold the pool and none can grow: requeue one
                 return self.plan()
             self._inflight = plan or self.idle_plan()
         except Exception:  # noqa: BLE001 - _plan_* undid their allocations
-            bad = self._unplannable(self.prefilling + list(self.waiting) if prefill else list(self.running))
+            bad = self._unplannable(list(self.running) + (self.prefilling + list(self.waiting) if prefill else []))
             if not bad:
                 raise
             for request, exc in bad:
                 self.fail_request(request, exc)
             return self.plan()
-        self._last_kind = self._inflight.kind
         self.stats.step_tokens = self._step_tokens(self._inflight)
         return self._inflight
 
-    def _prefill_turn(self) -> bool:
-        """Prefill when there are prompts to extend, alternating with decode steps while requests run."""
+    def _prefill_work(self) -> bool:
+        """Prompts to extend: partly prefilled ones, or waiting ones with room to run."""
         room = len(self.running) + len(self.prefilling) < self.config.max_running_requests
-        work = bool(self.prefilling) or (bool(self.waiting) and room)
-        return work and (not self.running or self._last_kind != "prefill")
+        return bool(self.prefilling) or (bool(self.waiting) and room)
+
+    def _with_chunks(self, decode: "StepPlan") -> "StepPlan":
+        """The decode step plus prompt chunks in what its verify rows leave of the token budget:
+        one mixed step. At least a quarter of the budget goes to the chunks, so that a large
+        running batch cannot hold the queue back."""
+        budget = self.config.max_num_batched_tokens
+        budget = max(budget - int(decode.meta.verify_slots.numel()), -(-budget // 4))
+        try:
+            prefill = self._plan_prefill(budget=budget)
+        except Exception:
+            self._release(decode)
+            raise
+        if prefill is None:
+            return decode
+        return StepPlan("mixed", decode.requests + prefill.requests, decode.meta.merge(prefill.meta),
+                        decode.draft_input, admitted=prefill.admitted, parts=(decode, prefill))
 
     @staticmethod
     def _step_tokens(plan: "StepPlan") -> int:
+        if plan.parts is not None:
+            return sum(Scheduler._step_tokens(part) for part in plan.parts)
         if plan.kind == "prefill":
             return int(plan.meta.prefill_lens.sum())
         return int(plan.meta.verify_slots.numel())
@@ -319,6 +339,15 @@ class Scheduler:
         self._inflight = None
         if plan.kind == "prefill":
             progressed = self._commit_prefill(plan, ext, draft_input)
+        elif plan.kind == "mixed":
+            decode, prefill = plan.parts
+            first, rest = torch.arange(decode.meta.num_requests), torch.arange(decode.meta.num_requests,
+                                                                               plan.meta.num_requests)
+            self._commit_decode(decode, ext.filter(first), draft_input.filter(first))
+            # Its time is the chunks' too: the tree-size policy learns step costs from decode steps alone.
+            self._observe_decode(decode, ext.filter(first), None)
+            progressed = list(decode.requests) + self._commit_prefill(prefill, ext.filter(rest),
+                                                                      draft_input.filter(rest))
         elif plan.kind == "decode":
             progressed = list(plan.requests)
             self._commit_decode(plan, ext, draft_input)
@@ -495,13 +524,13 @@ class Scheduler:
             **self._sampling_fields(requests),
         )
 
-    def _plan_prefill(self, only: Request | None = None) -> "StepPlan | None":
-        """Chunks of at most max_num_batched_tokens in all: the admitted prompts' next chunks
-        oldest first, then newly admitted requests from the front of the queue (each whole chunk
+    def _plan_prefill(self, only: Request | None = None, budget: int | None = None) -> "StepPlan | None":
+        """Chunks of at most `budget` (max_num_batched_tokens) tokens in all: the admitted prompts'
+        next chunks oldest first, then newly admitted requests from the front of the queue (each whole chunk
         must fit the pool: a new request does not start by holding a sliver of it). `only`: that
         request's next chunk alone (isolating a failure). None when nothing fits. On any error the
         step's slots are freed and its admissions undone (nothing leaks)."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if budget is None else budget
         requests, lens, slots, admitted = [], [], [], []
         reserve = 0 if only is not None else self.per_step_slots * len(self.running)
         try:
@@ -598,8 +627,13 @@ class Scheduler:
         slots go back to the pool and requests it admitted back to the front of the queue.
         Returns the undone plan."""
         plan, self._inflight = self._inflight, None
-        if plan is None:
-            return None
+        if plan is not None:
+            self._release(plan)
+        return plan
+
+    def _release(self, plan: "StepPlan") -> None:
+        for part in plan.parts or ():
+            self._release(part)
         if plan.kind == "decode":
             self.slots.free(plan.meta.scratch_slots.reshape(-1))
             self.slots.free(plan.meta.verify_slots.reshape(-1))
@@ -607,7 +641,6 @@ class Scheduler:
             for b, n in enumerate(plan.meta.prefill_lens.tolist()):
                 self.slots.free(plan.meta.prefill_slots[b, :n])
             self._unadmit(plan.admitted)
-        return plan
 
     def _unadmit(self, requests: list[Request]) -> None:
         """Prefilling requests back to the front of the queue (in order), their KV given back."""

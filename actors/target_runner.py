@@ -47,12 +47,21 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward_step(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
-        """One target pass: prefill the step's new requests, or verify the running ones' trees."""
+        """One target pass over the step's rows: the running requests' verify trees (`verify`, the
+        first rows of `meta`) and the prompt chunks after them (see BatchMeta.num_decode). A mixed
+        step runs both in one forward, so the chunks cost the running requests no extra step."""
         if meta.num_requests == 0:
             return DraftExtendInput.create_idle(self.out_spec)
-        if meta.is_prefill:
+        if not meta.is_prefill:
+            return self.verify(meta, verify)
+        if meta.num_decode == 0:
             return self.prefill(meta)
-        return self.verify(meta, verify)
+        decode, prefill = meta.decode_part(), meta.prefill_part()
+        v_in, p_in = self._verify_inputs(decode, verify), self._prefill_inputs(prefill)
+        hidden, aux = self._run(*(a + b if isinstance(a, list) else torch.cat([a, b]) for a, b in zip(v_in, p_in)))
+        rows = v_in[0].numel()  # verify rows first, then the chunks' rows
+        (h_v, h_p), (a_v, a_p) = _split_rows(hidden, rows), _split_rows(aux, rows)
+        return self._verified(decode, verify, h_v, a_v).merge(self._prefilled(prefill, p_in, h_p, a_p))
 
     def _run(self, tokens, positions, prefix, new_slots, masks):
         attn = AttentionMetadata.build(prefix, new_slots, positions, masks, self.device)
@@ -82,13 +91,25 @@ class TargetRunner:
         return out
 
     def prefill(self, meta: BatchMeta) -> DraftExtendInput:
+        inputs = self._prefill_inputs(meta)
+        return self._prefilled(meta, inputs, *self._run(*inputs))
+
+    @staticmethod
+    def _prefill_inputs(meta: BatchMeta):
+        """_run's arguments for the chunks of `meta` (prefill rows only): tokens (T,), positions
+        (T,), each request's prefix slots, new slots, and None masks (causal)."""
         lens = meta.prefill_lens.tolist()
         starts = meta.seq_lens.tolist()
         tokens = torch.cat([meta.prefill_tokens[b, :n] for b, n in enumerate(lens)])  # (T,)
         slots = [meta.prefill_slots[b, :n] for b, n in enumerate(lens)]
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         prefix = [meta.kv_slots[b, :s] for b, s in enumerate(starts)]
-        hidden, aux = self._run(tokens, positions, prefix, slots, [None] * len(lens))
+        return tokens, positions, prefix, slots, [None] * len(lens)
+
+    def _prefilled(self, meta: BatchMeta, inputs, hidden, aux) -> DraftExtendInput:
+        """The chunks' DraftExtendInput from their hidden rows (T, H) (and aux rows)."""
+        tokens, positions, _, slots, _ = inputs
+        lens = meta.prefill_lens.tolist()
         last = torch.tensor(lens).cumsum(0) - 1  # (B,) last row of each request
         logits = self.model.logits(hidden[last.to(self.device)])  # (B, V)
         sampled = self._choose(logits, meta.temperature, meta.top_p, meta.top_k, meta.seeds,
@@ -114,14 +135,21 @@ class TargetRunner:
         )
 
     def verify(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
+        return self._verified(meta, verify, *self._run(*self._verify_inputs(meta, verify)))
+
+    @staticmethod
+    def _verify_inputs(meta: BatchMeta, verify: VerifyInput):
+        """_run's arguments for the trees of `meta` (decode rows only): B * N tokens and positions,
+        each request's committed slots, its N verify slots and its (N, N) tree mask."""
+        n = verify.num_draft_tokens
+        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())]
+        return (verify.draft_tokens.reshape(-1), verify.positions.reshape(-1), prefix,
+                list(meta.verify_slots[:, :n]), list(verify.tree_mask))
+
+    def _verified(self, meta: BatchMeta, verify: VerifyInput, hidden, aux) -> DraftExtendInput:
+        """Accept each tree's longest agreeing path from the trees' hidden rows (B * N, H)."""
         batch, n = verify.draft_tokens.shape
-        seq_lens = meta.seq_lens.tolist()
-        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(seq_lens)]
         slots = meta.verify_slots[:, :n]
-        hidden, aux = self._run(
-            verify.draft_tokens.reshape(-1), verify.positions.reshape(-1), prefix,
-            list(slots), list(verify.tree_mask),
-        )
         logits = self.model.logits(hidden)  # (B * N, V): every node needs the target's choice
         per_row = lambda x: x.repeat_interleave(n)  # noqa: E731
         processors = (tree_processor_rows(meta, verify.draft_tokens, verify.tree_mask, verify.positions)
@@ -148,3 +176,8 @@ class TargetRunner:
             accept_lens=torch.tensor(accept_lens, dtype=torch.long),
             **self._logprobs(meta, logits[rows_t.to(logits.device)], next_t),
         )
+
+
+def _split_rows(x: torch.Tensor | None, rows: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(first `rows` rows, the rest) of x, or (None, None)."""
+    return (None, None) if x is None else (x[:rows], x[rows:])

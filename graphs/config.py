@@ -51,8 +51,8 @@ class EngineConfig:
     num_threads: int | None = None
     kv_slots: int = 16384  # token slots in the KV pool of each rank
     max_running_requests: int = 32
-    # Tokens one prefill step carries (vLLM's name): longer prompts prefill in chunks over several
-    # steps, alternating with decode steps of the running batch, so they never stall it for long.
+    # Tokens one step carries (vLLM's name): the running batch's verify rows, and in the same forward
+    # chunks of waiting prompts, so a long prompt prefills over several steps and never stalls decoding.
     max_num_batched_tokens: int = 512
     # Keep finished requests' KV in a tree over token ids, reused by requests sharing a prefix.
     prefix_cache: bool = True

@@ -41,6 +41,10 @@ class AttentionMetadata:
     out_rows: torch.Tensor
     padded: bool
     fresh_lens: list[int] | None = None
+    # A mixed step (decode/verify rows of a few queries, prefill chunks of hundreds) attends in
+    # parts: padding every request to the longest chunk would cost the decode rows (Q_max / n)
+    # times their scores. (start row, end row, metadata of those consecutive requests), or None.
+    parts: list[tuple[int, int, "AttentionMetadata"]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +68,10 @@ class AttentionMetadata:
         batch = len(new_slots)
         prefix_lens = torch.tensor([int(p.numel()) for p in prefix_slots], dtype=torch.long)  # (B,)
         new_lens = torch.tensor([int(s.numel()) for s in new_slots], dtype=torch.long)
+        fresh = not bool(prefix_lens.any()) and all(m is None for m in new_masks)  # unpadded already
+        runs = [] if fresh else _query_runs(new_lens)
+        if len(runs) > 1:
+            return cls._in_parts(runs, prefix_slots, new_slots, positions, new_masks, new_lens, device)
         kv_lens = prefix_lens + new_lens
         max_q = int(new_lens.max()) if batch else 0
         max_k = int(kv_lens.max()) if batch else 0
@@ -91,6 +99,32 @@ class AttentionMetadata:
             padded=total != batch * max_q,
             fresh_lens=new_lens.tolist() if not bool(prefix_lens.any()) and not trees else None,
         )
+
+    @classmethod
+    def _in_parts(cls, runs: list[tuple[int, int]], prefix_slots, new_slots, positions, new_masks,
+                  new_lens: torch.Tensor, device) -> "AttentionMetadata":
+        """One part per run of consecutive requests (see `_query_runs`); the K/V of every new
+        token is still written at once, through the whole pass's out_slots."""
+        rows = [0] + new_lens.cumsum(0).tolist()
+        parts = [(rows[a], rows[b], cls.build(prefix_slots[a:b], new_slots[a:b], positions[rows[a]:rows[b]],
+                                              new_masks[a:b], device)) for a, b in runs]
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return cls(positions=positions.to(device), out_slots=torch.cat(new_slots).to(device), kv_index=empty,
+                   mask=empty.bool(), q_index=empty, out_rows=empty, padded=False, parts=parts)
+
+
+# Requests with more new tokens than this (prefill chunks) attend apart from the others.
+LONG_QUERIES = 16
+
+
+def _query_runs(new_lens: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) request ranges of consecutive requests alike in having more than LONG_QUERIES
+    new tokens or not: one range for an ordinary decode or prefill step, two for a mixed step
+    (its decode rows first, then its prefill chunks)."""
+    long = (new_lens > LONG_QUERIES).tolist()
+    cuts = [i for i in range(1, len(long)) if long[i] != long[i - 1]]
+    bounds = [0, *cuts, len(long)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _place_tree_masks(mask: torch.Tensor, trees: list[int], new_masks: list[torch.Tensor | None],
@@ -133,6 +167,14 @@ def paged_attention(
     """
     k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
+    return _attend(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """paged_attention once the new K/V are in the cache: q (T, Hq, D) -> (T, Hq, D)."""
+    if meta.parts is not None:
+        return torch.cat([_attend(q[a:b], k[a:b], v[a:b], k_cache, v_cache, part, scale) for a, b, part in meta.parts])
     if meta.fresh_lens is not None:
         return fresh_causal_attention(q, k, v, meta.fresh_lens, scale)
     num_tokens, heads, dim = q.shape

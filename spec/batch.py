@@ -322,7 +322,7 @@ class BatchMeta(_RowBatch):
                 setattr(self, name, torch.zeros((rows, 0), dtype=dtype))
 
     _PADDED = {"kv_slots": 0, "prefill_tokens": 0, "prefill_slots": 0, "history": -1, "stop_ids": -1,
-               "bias_ids": -1, "bias_values": 0}
+               "bias_ids": -1, "bias_values": 0, "scratch_slots": 0, "verify_slots": 0}
 
     @classmethod
     def create_idle(cls, scratch: int = 0, num_draft_tokens: int = 1) -> "BatchMeta":
@@ -336,7 +336,24 @@ class BatchMeta(_RowBatch):
 
     @property
     def is_prefill(self) -> bool:
+        """Some row extends over prompt tokens (a prefill step, or a mixed one)."""
         return bool(self.prefill_lens.numel()) and int(self.prefill_lens.max()) > 0
+
+    @property
+    def num_decode(self) -> int:
+        """Rows that decode (nothing to prefill). A mixed step puts them first, its prefill
+        chunks after them; the DraftInput and VerifyInput of a step hold only these rows."""
+        return int((self.prefill_lens == 0).sum())
+
+    def decode_part(self) -> "BatchMeta":
+        """The decode rows (all of a decode step's rows, none of a prefill step's)."""
+        d = self.num_decode
+        return self if d == self.num_requests else self.filter(torch.arange(d))
+
+    def prefill_part(self) -> "BatchMeta":
+        """The prefill rows, after the decode rows."""
+        d = self.num_decode
+        return self if d == 0 else self.filter(torch.arange(d, self.num_requests))
 
     def merge(self, other: "BatchMeta") -> "BatchMeta":
         if type(other) is not BatchMeta:

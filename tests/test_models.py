@@ -395,6 +395,30 @@ def test_fresh_prefills_of_several_lengths_match_transformers(pair):
     assert AttentionMetadata.build([decode.prefix_slots], [decode.slots], decode.positions, [None]).fresh_lens is None
 
 
+def test_mixed_step_attends_in_parts_and_matches_transformers(pair):
+    """A mixed step's batch: verify trees and a decode first, then prompt chunks longer than
+    LONG_QUERIES (one over a prefix, one from scratch). It attends in two parts (the short rows
+    are not padded to the chunks' length) and every request equals transformers."""
+    from models.attention import LONG_QUERIES
+
+    slots, kv = Slots(seed=9), garbage_pool(pair.ours, seed=9)
+    p1, p2, p3 = (prefill_req(rand_tokens(n, seed=40 + n), slots) for n in (8, 5, 11))
+    for prefix in (p1, p2, p3):
+        ours_forward(pair.ours, kv, [prefix])
+    batch = [
+        tree_req(p1, rand_tokens(5, seed=51), [-1, 0, 0, 1, 2], slots),
+        prefill_req(rand_tokens(1, seed=52), slots, prefix=p2),
+        prefill_req(rand_tokens(LONG_QUERIES + 7, seed=53), slots, prefix=p3),
+        prefill_req(rand_tokens(LONG_QUERIES + 3, seed=54), slots),
+    ]
+    meta = AttentionMetadata.build([r.prefix_slots for r in batch], [r.slots for r in batch],
+                                   torch.cat([r.positions for r in batch]), [r.mask for r in batch])
+    assert [(a, b) for a, b, _ in meta.parts] == [(0, 6), (6, 6 + 2 * LONG_QUERIES + 10)]
+    batched, _ = ours_forward(pair.ours, kv, batch)
+    for b, req in enumerate(batch):
+        assert_close(batched[b], hf_expected(pair.hf, req), what=f"mixed request {b}")
+
+
 # --------------------------------------------------------------------------- 2. aux hidden states
 
 

@@ -47,9 +47,11 @@ def _ray_engine(target, algorithm=None, draft=None, **kw):
 def test_lossless_through_the_compiled_graph(request, tiny_target, reference, algorithm, draft, dp, topk, n, cutoff,
                                              placement):
     # No start-up probe: the cold policy measures the full tree and the plain step first, so both run.
+    # A 6-token step budget prefills the longest prompt in chunks, in mixed steps with the decode
+    # rows of the prompts prefilled first.
     engine = _ray_engine(tiny_target, algorithm, draft and request.getfixturevalue(draft), dp_size=dp,
                          eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff, draft_placement=placement,
-                         cost_probe=False)
+                         cost_probe=False, max_num_batched_tokens=6)
     try:
         assert len(engine.actors()) == dp * (1 if engine.config.colocated_draft else 2)
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference

@@ -80,15 +80,22 @@ def _assert_kv_back(sched):
 
 @pytest.mark.parametrize("algorithm,draft,topk,n,steps", ALGORITHMS)
 def test_chunked_prefill_and_preemption_are_lossless(request, algorithm, draft, topk, n, steps):
-    """A token budget of 7 prefills the long prompts over several steps while others decode, and
-    a pool of 150 slots (the requests want ~400) preempts and recomputes: same tokens."""
+    """A token budget of 16 prefills the long prompts over several steps, each chunk in one
+    forward with the running requests' verify rows (mixed steps), and a pool of 100 slots (the
+    requests want ~400) preempts and recomputes: same tokens."""
     spec = (algorithm, draft, topk, n, steps)
     reference = _run(_engine(request, *spec, **UNCONSTRAINED), _workload())
-    engine = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7, prefix_cache=False)
+    engine = _engine(request, *spec, kv_slots=100, max_num_batched_tokens=16, prefix_cache=False)
     seen = {"mixed": False, "front": True}
+    commit = engine.scheduler.commit
+
+    def watch_commit(plan, *args):
+        seen["mixed"] |= plan.kind == "mixed"  # committed as one step, not rerun request by request
+        return commit(plan, *args)
+
+    engine.scheduler.commit = watch_commit
 
     def watch(sched):
-        seen["mixed"] |= bool(sched.prefilling and sched.running)
         # A preempted request waits before every request that never ran (no starvation).
         started = [r.admit_seq >= 0 for r in sched.waiting]
         seen["front"] &= started == sorted(started, reverse=True)
@@ -138,7 +145,7 @@ def test_prefix_cache_hits_are_lossless(request, algorithm, draft, topk, n, step
     # Every second turn finds its whole first turn but the last token (not in the KV).
     assert cache.hit_tokens - hits_before >= sum(len(p) + len(a) - 1 for (p, _), a in zip(first, answers))
     _assert_kv_back(cached.scheduler)
-    small = _engine(request, *spec, kv_slots=150, max_num_batched_tokens=7)
+    small = _engine(request, *spec, kv_slots=120, max_num_batched_tokens=16)
     _run(small, first)
     assert _run(small, second) == _run(plain, second)
     assert small.scheduler.stats.preemptions > 0
