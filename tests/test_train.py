@@ -310,11 +310,23 @@ def test_eagle3_trainer_end_to_end(tiny):
             "--epochs", "40", "--token-budget", "256", "--lr", "1e-2", "--warmup", "5", "--save-every", "20",
             "--eval-every", "20", "--holdout", "0.1", "--topk", "8"]
     args = base + ["--max-steps", "40", "--num-workers", "2", "--eval-prompts", str(tiny["eval_prompts"]),
-                   "--eval-n", "3", "--eval-max-tokens", "12"]
+                   "--eval-n", "3", "--eval-max-tokens", "12", "--keep-every", "15"]
     eagle3.main(args)
     log = runlog.read_log(work / "log.jsonl")
     train = [r["loss"] for r in log if r["kind"] == "train"]
     assert len(train) == 40
+    # --keep-every: drafts at steps 15, 30 and the last, each with the response tokens trained on
+    # so far (both workers' batches), for the acceptance-against-tokens curve.
+    tokens = {r["step"]: r["tokens"] for r in log if r["kind"] == "train"}
+    assert all(tokens[s + 1] > tokens[s] for s in range(1, 40))
+    first_epoch = max(r["step"] for r in log if r["kind"] == "train" and r["epoch"] == 0)
+    assert tokens[first_epoch] == json.loads((work / "data_info.json").read_text())["response_tokens"]
+    kept = sorted((work / "checkpoints").iterdir())
+    assert [p.name for p in kept] == ["step-000015", "step-000030", "step-000040"]
+    for folder in kept:
+        info = json.loads((folder / "checkpoint.json").read_text())
+        assert info["response_tokens"] == tokens[info["step"]]
+        assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 48
     assert sum(train[-5:]) / 5 < 0.95 * sum(train[:5]) / 5
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 48
