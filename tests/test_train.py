@@ -299,6 +299,25 @@ def test_max_sequences_caps_training_data_and_keeps_the_held_out_set(tiny):
     assert [s.tokens for s in few_held] == [s.tokens for s in held]
 
 
+def _check_curve(tiny, reference, kept, tokens):
+    """train.curve: one point per kept draft at its response tokens, the reference at 0, every
+    prompt set measured; a rerun measures nothing again (the file is its resume state)."""
+    from train import curve
+
+    path = tiny["root"] / "curve.json"
+    argv = ["--target", str(tiny["target"]), "--reference", str(reference), "--checkpoints", str(kept),
+            "--prompts", str(tiny["eval_prompts"]), "--n", "2", "--max-tokens", "8", "--out", str(path), "--plot"]
+    curve.main(argv)
+    result = json.loads(path.read_text())
+    assert [p["response_tokens"] for p in result["points"]] == [0, tokens[15], tokens[30], tokens[40]]
+    name = curve.set_name(str(tiny["eval_prompts"]))
+    assert all(p["acceptance"][name] >= 1.0 and p["mean"] == p["acceptance"][name] for p in result["points"])
+    assert path.with_suffix(".png").is_file()
+    before = path.stat().st_mtime_ns
+    curve.main(argv)
+    assert path.stat().st_mtime_ns == before
+
+
 def test_eagle3_trainer_end_to_end(tiny):
     from models.build import ModelSource, build_draft
     from spec.algorithm import SpecAlgorithm
@@ -327,6 +346,7 @@ def test_eagle3_trainer_end_to_end(tiny):
         info = json.loads((folder / "checkpoint.json").read_text())
         assert info["response_tokens"] == tokens[info["step"]]
         assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 48
+    _check_curve(tiny, out, work / "checkpoints", tokens)
     assert sum(train[-5:]) / 5 < 0.95 * sum(train[:5]) / 5
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 48
