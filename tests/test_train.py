@@ -1028,3 +1028,14 @@ def test_train_data_answers_sharegpt_conversations_turn_by_turn_and_resumes(tiny
     main(argv)
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_this_run"] == 0
     assert read_jsonl(tmp_path / "responses.jsonl") == records
+
+
+def test_evaluate_measures_the_whole_draft_every_step(tiny):
+    """train.evaluate's acceptance is the draft's, not the scheduler's: a draft that is the target
+    itself is accepted whole at every decode step (num_steps + 1 tokens), where adaptive
+    speculation would shrink the tree from step costs timed on a loaded machine."""
+    from train.evaluate import measure_acceptance
+
+    result = measure_acceptance(str(tiny["target"]), str(tiny["target"]), "STANDALONE", tiny["eval_prompts"], n=4,
+                                max_tokens=16, num_steps=3)
+    assert result["decode_acceptance"] == 4.0
