@@ -299,6 +299,25 @@ def test_max_sequences_caps_training_data_and_keeps_the_held_out_set(tiny):
     assert [s.tokens for s in few_held] == [s.tokens for s in held]
 
 
+def _check_curve(tiny, reference, kept, tokens):
+    """train.curve: one point per kept draft at its response tokens, the reference at 0, every
+    prompt set measured; a rerun measures nothing again (the file is its resume state)."""
+    from train import curve
+
+    path = tiny["root"] / "curve.json"
+    argv = ["--target", str(tiny["target"]), "--reference", str(reference), "--checkpoints", str(kept),
+            "--prompts", str(tiny["eval_prompts"]), "--n", "2", "--max-tokens", "8", "--out", str(path), "--plot"]
+    curve.main(argv)
+    result = json.loads(path.read_text())
+    assert [p["response_tokens"] for p in result["points"]] == [0, tokens[15], tokens[30], tokens[40]]
+    name = curve.set_name(str(tiny["eval_prompts"]))
+    assert all(p["acceptance"][name] >= 1.0 and p["mean"] == p["acceptance"][name] for p in result["points"])
+    assert path.with_suffix(".png").is_file()
+    before = path.stat().st_mtime_ns
+    curve.main(argv)
+    assert path.stat().st_mtime_ns == before
+
+
 def test_eagle3_trainer_end_to_end(tiny):
     from models.build import ModelSource, build_draft
     from spec.algorithm import SpecAlgorithm
@@ -310,11 +329,24 @@ def test_eagle3_trainer_end_to_end(tiny):
             "--epochs", "40", "--token-budget", "256", "--lr", "1e-2", "--warmup", "5", "--save-every", "20",
             "--eval-every", "20", "--holdout", "0.1", "--topk", "8"]
     args = base + ["--max-steps", "40", "--num-workers", "2", "--eval-prompts", str(tiny["eval_prompts"]),
-                   "--eval-n", "3", "--eval-max-tokens", "12"]
+                   "--eval-n", "3", "--eval-max-tokens", "12", "--keep-every", "15"]
     eagle3.main(args)
     log = runlog.read_log(work / "log.jsonl")
     train = [r["loss"] for r in log if r["kind"] == "train"]
     assert len(train) == 40
+    # --keep-every: drafts at steps 15, 30 and the last, each with the response tokens trained on
+    # so far (both workers' batches), for the acceptance-against-tokens curve.
+    tokens = {r["step"]: r["tokens"] for r in log if r["kind"] == "train"}
+    assert all(tokens[s + 1] > tokens[s] for s in range(1, 40))
+    first_epoch = max(r["step"] for r in log if r["kind"] == "train" and r["epoch"] == 0)
+    assert tokens[first_epoch] == json.loads((work / "data_info.json").read_text())["response_tokens"]
+    kept = sorted((work / "checkpoints").iterdir())
+    assert [p.name for p in kept] == ["step-000015", "step-000030", "step-000040"]
+    for folder in kept:
+        info = json.loads((folder / "checkpoint.json").read_text())
+        assert info["response_tokens"] == tokens[info["step"]]
+        assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 48
+    _check_curve(tiny, out, work / "checkpoints", tokens)
     assert sum(train[-5:]) / 5 < 0.95 * sum(train[:5]) / 5
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 48
@@ -996,3 +1028,14 @@ def test_train_data_answers_sharegpt_conversations_turn_by_turn_and_resumes(tiny
     main(argv)
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["new_this_run"] == 0
     assert read_jsonl(tmp_path / "responses.jsonl") == records
+
+
+def test_evaluate_measures_the_whole_draft_every_step(tiny):
+    """train.evaluate's acceptance is the draft's, not the scheduler's: a draft that is the target
+    itself is accepted whole at every decode step (num_steps + 1 tokens), where adaptive
+    speculation would shrink the tree from step costs timed on a loaded machine."""
+    from train.evaluate import measure_acceptance
+
+    result = measure_acceptance(str(tiny["target"]), str(tiny["target"]), "STANDALONE", tiny["eval_prompts"], n=4,
+                                max_tokens=16, num_steps=3)
+    assert result["decode_acceptance"] == 4.0

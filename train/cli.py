@@ -82,7 +82,7 @@ def worker_config(args, kind: str, build, state_dir: Path, features: FeatureSet,
         "epochs": args.epochs, "max_steps": args.max_steps, "max_minutes": args.max_minutes,
         "token_budget": args.token_budget, "lr": args.lr,
         "warmup": args.warmup, "ttt_steps": ttt_steps, "decay": decay, "seed": args.seed, "threads": args.threads,
-        "resume": args.resume, "save_every": args.save_every, "eval_every": args.eval_every,
+        "resume": args.resume, "save_every": args.save_every, "keep_every": args.keep_every, "eval_every": args.eval_every,
         "use_gpu": args.use_gpu, "amp": args.amp, "save_dtype": SAVE_DTYPES[args.save_dtype],
         "use_ray": not args.no_ray,
     }
@@ -95,6 +95,8 @@ def parse_training_args(parser, argv=None):
     from actors.device import auto_dtype
 
     args = parser.parse_args(argv)
+    if args.keep_every < 0:
+        parser.error(f"--keep-every must be 0 (off) or a step count, got {args.keep_every}")
     gpu = args.use_gpu and torch.cuda.is_available()
     native = auto_dtype(torch.device("cuda" if gpu else "cpu")) == torch.bfloat16
     if args.feature_dtype == "auto":
@@ -137,6 +139,9 @@ def add_training_args(p, lr: float) -> None:
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--keep-every", type=int, default=0,
+                   help="also keep the draft every N steps and at the end, under WORK_DIR/checkpoints/step-N with the "
+                        "response tokens trained on so far (0: only the latest, in --out)")
     p.add_argument("--save-dtype", default="bf16", choices=list(SAVE_DTYPES))
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")

@@ -27,6 +27,9 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
                        max_running_requests: int = 32, threads: int | None = 1, dtype: str = "float32",
                        check_against: list[list[int]] | None = None, ngram_branch: int = 0,
                        min_path_prob: float = 0.0) -> dict:
+    """Acceptance of the draft itself: the whole tree is verified every step (adaptive speculation,
+    which shrinks it from step costs timed as it runs, would make the figure depend on the
+    machine's load)."""
     import torch
 
     from graphs.config import EngineConfig
@@ -40,7 +43,7 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
                                       num_steps=num_steps, eagle_topk=topk, num_draft_tokens=num_draft_tokens,
                                       ngram_branch=ngram_branch, min_path_prob=min_path_prob,
                                       max_running_requests=max_running_requests, num_threads=threads,
-                                      dtype=dtype))
+                                      dtype=dtype, adaptive_speculation=False))
     start = time.time()
     try:
         outs = engine.chat(conversations, SamplingParams(max_tokens=max_tokens, temperature=0.0))

@@ -90,12 +90,12 @@ def train_loop(cfg: dict) -> None:
     model, inner, save = cfg["build"](cfg, state_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     optim = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
-    step, elapsed = 0, 0.0
+    step, elapsed, tokens = 0, 0.0, 0
     if cfg["resume"] and state_path.is_file():
         state = torch.load(state_path, weights_only=False)
         inner.load_state_dict(state["model"], strict=False)
         optim.load_state_dict(state["optim"])
-        step, elapsed = state["step"], state["elapsed"]
+        step, elapsed, tokens = state["step"], state["elapsed"], state.get("tokens", 0)
         if rank == 0:
             runlog.truncate_log(state_dir / "log.jsonl", step)
     if cfg["use_ray"]:
@@ -158,10 +158,17 @@ def train_loop(cfg: dict) -> None:
             return
         tmp = state_path.with_suffix(".tmp")
         torch.save({"model": inner.state_dict(), "optim": optim.state_dict(), "step": step,
-                    "elapsed": timer.elapsed}, tmp)
+                    "elapsed": timer.elapsed, "tokens": tokens}, tmp)
         os.replace(tmp, state_path)
         save(out, torch.float32 if not final else cfg["save_dtype"])
         runlog.plot_losses(log_path, out / "loss.png", f"{cfg['kind']} draft for {cfg['target']}")
+
+    def keep():
+        """--keep-every: a copy of the draft as it is now, for measuring acceptance against the
+        response tokens trained on (the curve that sizes the next data round)."""
+        folder = state_dir / "checkpoints" / f"step-{step:06d}"
+        save(folder, cfg["save_dtype"])
+        (folder / "checkpoint.json").write_text(json.dumps({"step": step, "response_tokens": tokens}))
 
     # --max-minutes: time steps fit_from..fit_at of this run (the first ones warm up kernels and
     # caches), then cut total_steps so the rest ends by the deadline, a tenth kept for evals and saves.
@@ -172,6 +179,11 @@ def train_loop(cfg: dict) -> None:
         epoch, index = divmod(step, per_epoch)
         batch_ids = plans[epoch][index * world + rank]
         batch = make_batch([examples[i] for i in batch_ids])
+        # Response tokens (loss positions) this step trains on, over every worker.
+        seen = batch["loss_mask"].sum()
+        if cfg["use_ray"] and world > 1:
+            torch.distributed.all_reduce(seen)
+        tokens += int(seen)
         for group in optim.param_groups:
             group["lr"] = lr_at(step, total_steps, cfg["lr"], cfg["warmup"])
         with autocast():
@@ -199,7 +211,7 @@ def train_loop(cfg: dict) -> None:
                 print(f"--max-minutes {cfg['max_minutes']}: {per_step * 1000:.0f} ms/step, training {total_steps} steps")
         record = {"kind": "train", "step": step, "epoch": epoch, "loss": float(loss.detach()),
                   "loss_k": [s[0] for s in stats], "acc_k": [s[1] for s in stats],
-                  "lr": optim.param_groups[0]["lr"], "time": round(timer.elapsed, 1)}
+                  "lr": optim.param_groups[0]["lr"], "tokens": tokens, "time": round(timer.elapsed, 1)}
         if rank == 0:
             runlog.append_log(log_path, record)
             bar.update(1)
@@ -211,6 +223,8 @@ def train_loop(cfg: dict) -> None:
             if held and (step % cfg["eval_every"] == 0 or last):
                 runlog.append_log(log_path, {"kind": "eval", "step": step, **evaluate()})
             checkpoint(final=last)
+        if rank == 0 and cfg.get("keep_every") and (step % cfg["keep_every"] == 0 or last):
+            keep()
     if rank == 0:
         bar.close()
         if step >= total_steps and not (out / "model.safetensors").is_file():
