@@ -6,7 +6,6 @@ group, then load stops and the replicas go back down."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
