@@ -7,7 +7,8 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
   they attend to, the draft levels and the batch (what a verify row and a draft level cost at this
   load, measured from the steps the engine runs).
 * `AcceptanceModel`: per request and draft depth, the decayed rate at which that depth's token is
-  accepted given the one before it was; new requests start from the batch-wide rates.
+  accepted given the one before it was, learnt from full-tree steps; new requests start from the
+  batch-wide rates. Each smaller size scales them by its own measured correction.
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step). The user's `verify_budget` and `disable_by_batch_size` cap
@@ -290,8 +291,13 @@ class TreeSizePolicy:
             predicted = sum(self.acceptance.expected(rid, depth) for rid in rids)
             self.seen[nodes] = 0.9 * self.seen.get(nodes, 0.0) + sum(accepted)
             self.predicted[nodes] = 0.9 * self.predicted.get(nodes, 0.0) + max(predicted, 1e-3)
-            for rid, a in zip(rids, accepted):
-                self.acceptance.observe(rid, depth, a)
+            # The per-depth rates are the full tree's: a smaller tree has fewer candidates per depth
+            # and accepts less at each, which would drag the full tree's prediction down with it
+            # (bench.concurrency at 2 requests drifted to 2-node trees so). Smaller sizes are scaled
+            # from these rates by their own measured correction (seen / predicted).
+            if nodes == self.tree_size:
+                for rid, a in zip(rids, accepted):
+                    self.acceptance.observe(rid, depth, a)
             self.drafted += len(rids)
         if self.adaptive and seconds is not None:
             self.costs.observe(nodes, depth, len(rids), context_tokens, seconds)

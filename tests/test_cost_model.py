@@ -64,6 +64,19 @@ def test_acceptance_model_is_per_request_and_decayed():
     assert model.expected(1, 3) < 0.05
 
 
+def test_small_trees_do_not_drag_down_the_full_trees_prediction():
+    """A 2-node tree (one candidate at depth 1) accepts less per depth than the full tree: steps of it
+    must not lower what the full tree is predicted to accept."""
+    policy = _policy()
+    for _ in range(20):
+        policy.observe([0], 64, 8, None, [3])  # the full tree accepts all 3 levels
+    full = policy.expected_tokens([0], 8)
+    for _ in range(20):
+        policy.observe([0], 64, 2, None, [0])  # the 2-node tree's one candidate is rejected
+    assert policy.expected_tokens([0], 8) == pytest.approx(full)
+    assert policy.expected_tokens([0], 2) < 1.5  # its own correction learnt that it rarely pays
+
+
 def test_expensive_rows_and_low_acceptance_mean_plain_decoding():
     """Each verify row costs as much as the fixed part of a step and one draft in ten is accepted:
     every tree loses, so after measuring the policy verifies the root alone."""
