@@ -270,11 +270,13 @@ class TreeSizePolicy:
         # UNCERTAINTY / explore_every of throughput, and nothing once the choice is settled.
         i = candidates.index(best)
         rivals = {candidates[j] for j in (0, i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
-        for rival in sorted(rivals, key=rate.get, reverse=True):
-            if (rate[rival] * (1.0 + self.uncertainty(rival, batch, context_tokens)) >= rate[best]
-                    and self.step - self.explored >= self.explore_every):
-                self.explored = self.step
-                return self._chosen(rival)
+        # Of the rivals still in reach, the one least measured at this load (then the likeliest): every
+        # rival in reach gets its turn rather than the top one alone.
+        regime = self._regime(batch, context_tokens)
+        in_reach = [r for r in rivals if rate[r] * (1.0 + self.uncertainty(r, batch, context_tokens)) >= rate[best]]
+        if in_reach and self.step - self.explored >= self.explore_every:
+            self.explored = self.step
+            return self._chosen(min(in_reach, key=lambda r: (self.measured.get((r, *regime), 0.0), -rate[r])))
         return self._chosen(best)
 
     def _chosen(self, nodes: int) -> int:
