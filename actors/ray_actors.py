@@ -12,6 +12,7 @@ import time
 import ray
 
 from actors import channel_wait, wire
+from actors.device import use_threads_here
 from actors.step import run_step
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
@@ -27,6 +28,7 @@ class _Timed:
         self._calls = 0
 
     def _timed(self, fn, *args):
+        use_threads_here()  # compiled graphs call in their own thread
         start = time.perf_counter()
         try:
             return fn(*args)
