@@ -8,29 +8,21 @@ this process with non-blocking tries and sleeps that grow from PAUSE_S to `max_s
 so a wait costs at most `max_sleep_s` of latency and next to no CPU.
 
 A try costs 30-45 us of CPU here (Python, Ray's channel, the exception of an empty read), and
-every wake-up preempts one of the target's threads: at 500 us a 60 ms step cost its reader
-~105 tries. Steps repeat, so a reader can first sleep through EXPECTED_FRACTION of the
-shortest of its last RECENT waits in one go, then try as above (0.75: ~25-50 tries per 60 ms
-step): a step more than that much shorter than all recent ones is then read late once, by at
-most the difference. Waits are remembered per writer (a compiled graph reads each output
-through a ring of channels). Off (0) until measured: `bench.graph --levers-only` runs it
-against plain backoff in the same run ("packed+expected" vs "packed+backoff").
+every wake-up preempts one of the target's threads. Sleeping first through most of the recent wait
+(the step repeats) was tried and measured worse than this plain backoff
+(bench/results/graph_levers.json, docs/benchmarks.md), so reads keep no history.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 from ray.exceptions import RayChannelTimeoutError
 from ray.experimental.channel import shared_memory_channel
 
 PAUSE_S = 20e-6  # first sleep: a value that is almost there costs next to nothing
-RECENT = 8  # waits per writer remembered
-EXPECTED_FRACTION = 0.0  # of the shortest recent wait, slept through before the next try (0: off)
 
 _EMPTY = object()  # no value read yet (a read may return None)
-_recent_waits: dict = {}  # writer's actor id (None: the driver) -> its last RECENT waits in seconds
 
 
 def install(max_sleep_s: float) -> None:
@@ -45,27 +37,15 @@ def install(max_sleep_s: float) -> None:
     def read(self, timeout: float | None = None):
         start = time.monotonic()
         deadline = None if timeout is None or timeout < 0 else start + timeout
-        recent = _recent_waits.setdefault(getattr(getattr(self, "_writer", None), "_actor_id", None),
-                                          deque(maxlen=RECENT))
-        try:
-            value = spinning_read(self, 0)  # 0: one try, no wait
-        except RayChannelTimeoutError:
-            value = _EMPTY
-            expected = EXPECTED_FRACTION * min(recent, default=0.0)
-            if deadline is not None:
-                expected = min(expected, deadline - start)
-            if expected > max_sleep_s:
-                time.sleep(expected)
-        pause = PAUSE_S
+        value, pause = _EMPTY, PAUSE_S
         while value is _EMPTY:
             try:
-                value = spinning_read(self, 0)
+                value = spinning_read(self, 0)  # 0: one try, no wait
             except RayChannelTimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise
                 time.sleep(pause)
                 pause = min(2 * pause, max_sleep_s)
-        recent.append(time.monotonic() - start)
         return value
 
     read.spinning_read = spinning_read

@@ -16,8 +16,8 @@ per step, which shows a process that spins while it waits, and minor page faults
 the allocator maps afresh each step). Coordination = executor wall time
 minus the actors' compute (in the local engine the executor is the compute).
 
-Levers (skipped by --quick), same engine in turns: step batches packed vs Ray's pickler, channel
-reads that sleep through the expected wait vs plain backoff, and spinning vs sleeping reads.
+Levers (skipped by --quick), same engine in turns: step batches packed vs Ray's pickler, and
+spinning vs sleeping channel reads.
 """
 
 from __future__ import annotations
@@ -265,26 +265,23 @@ def wait_levers(args) -> dict:
     return out
 
 
-def _set_transport(actor_self, packed: bool, expected_fraction: float) -> None:
+def _set_transport(actor_self, packed: bool) -> None:
     """Runs in each process of a Ray engine: step batches packed (actors.wire) or through Ray's
-    own pickler, and the share of the recent wait a channel read sleeps through first."""
-    from actors import channel_wait, wire
+    own pickler."""
+    from actors import wire
 
     for cls in wire.WIRE_TYPES:
         ray.util.deregister_serializer(cls)
     if packed:
         wire.register()
-    channel_wait.EXPECTED_FRACTION = expected_fraction
 
 
-EXPECTED = 0.75  # channel_wait.EXPECTED_FRACTION the "expected" modes try (the default is 0: plain backoff)
-TRANSPORTS = {"packed+backoff": (True, 0.0), "pickled+backoff": (False, 0.0), "packed+expected": (True, EXPECTED)}
+TRANSPORTS = {"packed": True, "pickled": False}
 
 
 def transport_levers(args) -> dict:
-    """Same engine, same run, in turns: step batches packed vs Ray's pickler (actors.wire), and
-    channel reads that first sleep through most of the expected wait vs plain backoff
-    (actors.channel_wait). eagle3-tree and none, each placement."""
+    """Same engine, same run, in turns: step batches packed vs Ray's pickler (actors.wire).
+    eagle3-tree and none, each placement."""
     out = {}
     for name in ("eagle3-tree", "none"):
         for placement in args.placements:
@@ -295,9 +292,8 @@ def transport_levers(args) -> dict:
                 processes = [engine.scheduler, *probe.actors]
                 runs: dict = {}
                 for _ in range(args.rounds):
-                    for mode, (packed, fraction) in TRANSPORTS.items():
-                        ray.get([p.__ray_call__.remote(_set_transport, packed, fraction) for p in processes])
-                        probe.run(1, 4)  # the reads' recent waits follow the new mode
+                    for mode, packed in TRANSPORTS.items():
+                        ray.get([p.__ray_call__.remote(_set_transport, packed) for p in processes])
                         for b in args.profile_batches:
                             runs.setdefault(mode, {}).setdefault(str(b), []).append(probe.run(b, args.max_tokens))
                 key = f"{name}/ray/{placement}"
