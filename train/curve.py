@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from train.evaluate import measure_acceptance
+from train.evaluate import add_measure_options, measure_acceptance
 
 # Options whose change makes the earlier measurements in --out incomparable.
 SETTINGS = ("target", "algorithm", "n", "max_tokens", "num_steps", "topk", "num_draft_tokens", "ngram_branch", "dtype")
@@ -102,20 +102,11 @@ def plot_curve(result: dict, png: Path) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--algorithm", default="EAGLE3")
+    add_measure_options(p)
     p.add_argument("--reference", required=True, help="the draft the checkpoints were fine-tuned from (0 tokens)")
     p.add_argument("--checkpoints", default="",
                    help="folder of step-* drafts kept by --keep-every (none: the reference alone, e.g. while training)")
     p.add_argument("--prompts", required=True, help="held-out prompt sets (jsonl), comma-separated")
-    p.add_argument("--n", type=int, default=40)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-steps", type=int, default=3)
-    p.add_argument("--topk", type=int, default=1)
-    p.add_argument("--num-draft-tokens", type=int, default=4)
-    p.add_argument("--ngram-branch", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", required=True)
     p.add_argument("--plot", action="store_true", help="write a PNG next to the JSON")
     args = p.parse_args(argv)

@@ -67,12 +67,10 @@ def measure_acceptance(target: str, draft: str | None, algorithm: str, prompts_p
     return result
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_measure_options(p: argparse.ArgumentParser) -> None:
+    """The options of one acceptance measurement, shared with train.curve."""
     p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--draft", required=True)
     p.add_argument("--algorithm", default="EAGLE3")
-    p.add_argument("--prompts", required=True)
     p.add_argument("--n", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-steps", type=int, default=3)
@@ -81,6 +79,13 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ngram-branch", type=int, default=0, help="prompt-lookup tokens forced into each tree (--topk > 1)")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_measure_options(p)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--prompts", required=True)
     p.add_argument("--min-path-prob", type=float, default=0.0, help="verify only draft tokens at least this likely")
     args = p.parse_args(argv)
     print(json.dumps(measure_acceptance(args.target, args.draft, args.algorithm, args.prompts, args.n, args.max_tokens,
