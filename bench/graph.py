@@ -36,6 +36,7 @@ import ray
 import torch
 
 from graphs import EngineConfig, SamplingParams, build_graph
+from graphs.config import OMP_WAIT_POLICIES
 from serve.settings import DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION
 
 PROMPTS = [
@@ -67,6 +68,10 @@ def speculation(name: str, draft: str) -> dict:
     raise SystemExit(f"--configs: unknown config {name!r} (known: {', '.join(CONFIGS)})")
 
 
+def ray_key(placement: str, policy: str = "default") -> str:
+    return f"ray/{placement}" + ("" if policy == "default" else f"/omp-{policy}")
+
+
 def variants(name: str, args) -> dict[str, EngineConfig]:
     """local, then ray/<placement> for each placement: the same engine on the same cores."""
     base = {"model": args.model, "kv_slots": 8192, "max_running_requests": max(args.levels),
@@ -75,8 +80,9 @@ def variants(name: str, args) -> dict[str, EngineConfig]:
     draft_cpus = 1 if local.algorithm.needs_draft_model else 0
     out = {"local": local}
     for placement in args.placements:
-        out[f"ray/{placement}"] = EngineConfig(**base, backend="ray", draft_placement=placement,
-                                               target_num_cpus=args.cores - draft_cpus, draft_num_cpus=draft_cpus)
+        for policy in args.omp_wait_policies:
+            out[ray_key(placement, policy)] = EngineConfig(**base, backend="ray", draft_placement=placement, omp_wait_policy=policy,
+                                    target_num_cpus=args.cores - draft_cpus, draft_num_cpus=draft_cpus)
     return out
 
 
@@ -245,7 +251,7 @@ def wait_levers(args) -> dict:
     out = {}
     for placement in args.placements:
         for sleep_us in (0.0, EngineConfig.graph_wait_sleep_us):
-            cfg = dataclasses.replace(variants("eagle3-tree", args)[f"ray/{placement}"], graph_wait_sleep_us=sleep_us)
+            cfg = dataclasses.replace(variants("eagle3-tree", args)[ray_key(placement, args.omp_wait_policies[0])], graph_wait_sleep_us=sleep_us)
             engine = build_graph(cfg)
             try:
                 engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
@@ -285,7 +291,7 @@ def transport_levers(args) -> dict:
     out = {}
     for name in ("eagle3-tree", "none"):
         for placement in args.placements:
-            engine = build_graph(variants(name, args)[f"ray/{placement}"])
+            engine = build_graph(variants(name, args)[ray_key(placement, args.omp_wait_policies[0])])
             try:
                 engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
                 probe = Probe(engine)
@@ -322,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2, help="throughput runs per level and variant (median)")
     parser.add_argument("--profile-batches", default="1,16")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores each engine gets")
+    parser.add_argument("--omp-wait-policies", default="default",
+                        help="the Ray variants' EngineConfig.omp_wait_policy, comma-separated (each its own variant)")
     parser.add_argument("--no-levers", action="store_true", help="skip the lever comparisons (reads, transport)")
     parser.add_argument("--levers-only", action="store_true", help="only the lever comparisons")
     parser.add_argument("--quick", action="store_true", help="1 round, levels 1,16, 16 tokens, no lever comparison")
@@ -336,6 +344,10 @@ def main(argv: list[str] | None = None) -> dict:
     for p in args.placements:
         if p not in PLACEMENTS:
             raise SystemExit(f"--placements: unknown placement {p!r} (known: {', '.join(PLACEMENTS)})")
+    args.omp_wait_policies = args.omp_wait_policies.split(",")
+    for p in args.omp_wait_policies:
+        if p not in OMP_WAIT_POLICIES:
+            raise SystemExit(f"--omp-wait-policies: unknown policy {p!r} (known: {', '.join(OMP_WAIT_POLICIES)})")
     ray.init(address="local", num_cpus=max(8, 2 * args.cores), include_dashboard=False, log_to_driver=False)
     result = {"meta": {"model": args.model, "max_tokens": args.max_tokens, "cores": args.cores, "rounds": args.rounds,
                        "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),

@@ -12,6 +12,7 @@ from spec.algorithm import SpecAlgorithm
 
 BACKENDS = ("local", "ray")
 DRAFT_PLACEMENTS = ("colocated", "separate")
+OMP_WAIT_POLICIES = ("default", "active", "passive")
 
 
 def _positive_int(value) -> bool:
@@ -76,6 +77,12 @@ class EngineConfig:
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
     # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
     graph_wait_sleep_us: float = 500.0
+    # How the runner actors' OpenMP threads wait for each other between parallel regions (their
+    # OMP_WAIT_POLICY, set before torch loads): "default" (libgomp spins a while, then sleeps),
+    # "active" (spins) or "passive" (sleeps at once). A thread spinning for a partner the OS has
+    # preempted wastes its core, and a 2-core server shares its cores with the scheduler, Serve and
+    # the client (docs/benchmarks.md). The local backend runs in the caller's process, as it is.
+    omp_wait_policy: str = "default"
     step_timeout_s: float = 300.0  # a step slower than this counts as a failed actor
     # Actor restarts allowed per actor of the graph within 10 minutes; beyond them the engine is
     # broken (its Serve replica reports unhealthy and is replaced).
@@ -137,6 +144,8 @@ class EngineConfig:
         for name in ("graph_wait_sleep_us", "target_num_cpus", "draft_num_cpus", "target_num_gpus", "draft_num_gpus"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {getattr(self, name)!r}")
+        if self.omp_wait_policy not in OMP_WAIT_POLICIES:
+            raise ValueError(f"omp_wait_policy must be one of {OMP_WAIT_POLICIES}, got {self.omp_wait_policy!r}")
         if self.draft_placement is not None and self.draft_placement not in DRAFT_PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS} or None, got {self.draft_placement!r}")
         if self.draft_placement == "colocated" and (self.draft_num_gpus or self.draft_resources):

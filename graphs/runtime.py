@@ -100,12 +100,14 @@ class GraphRuntime:
     # ---- actors ---------------------------------------------------------------------
 
     def _options(self, bundle: int, num_cpus: float, num_gpus: float) -> dict:
+        policy = self.config.omp_wait_policy
         return dict(
             # glibc's malloc as the local engine has it: a fixed mmap threshold (1 MB, then 32 MB)
             # cost a batch-16 eagle3-tree step 20187 (4928) minor faults against 423 (steps run in a
             # thread, as in the actor; docs/benchmarks.md).
             num_cpus=num_cpus, num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
+            **({} if policy == "default" else {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}),
         )
 
     def _runner_kwargs(self, num_cpus: float) -> dict:

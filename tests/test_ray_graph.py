@@ -4,6 +4,7 @@ requests than ranks, so idle inputs flow every step), streaming, and fault injec
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -51,9 +52,13 @@ def test_lossless_through_the_compiled_graph(request, tiny_target, reference, al
     # rows of the prompts prefilled first.
     engine = _ray_engine(tiny_target, algorithm, draft and request.getfixturevalue(draft), dp_size=dp,
                          eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff, draft_placement=placement,
-                         cost_probe=False, max_num_batched_tokens=6)
+                         cost_probe=False, max_num_batched_tokens=6,
+                         omp_wait_policy="passive" if algorithm == "NGRAM" else "default")
     try:
         assert len(engine.actors()) == dp * (1 if engine.config.colocated_draft else 2)
+        if algorithm == "NGRAM":  # the runners' OpenMP threads sleep while they wait (set before torch loads)
+            assert ray.get([a.__ray_call__.remote(lambda self: os.environ.get("OMP_WAIT_POLICY"))
+                            for a in engine.actors()]) == ["PASSIVE"] * dp
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
         # One request on dp ranks: the other ranks run idle inputs every step.
         assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
