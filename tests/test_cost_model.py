@@ -185,3 +185,41 @@ def test_engine_start_probes_costs_and_leaves_nothing_behind(tiny_target, tiny_e
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     plain = build_graph(EngineConfig(model=str(tiny_target), kv_slots=4096))
     assert [o.token_ids for o in probed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_a_settled_choice_stops_measuring_rivals():
+    """At 64 requests a one-level tree runs about as fast as plain decoding (4% apart, within the
+    rival's uncertainty, so worth measuring now and then) and plain decoding holds as the choice:
+    the rival is measured less and less often while the choice holds, instead of once every
+    `explore_every` steps for as long as the load lasts."""
+    policy = _policy()
+    rng = random.Random(0)
+    cost = lambda nodes, batch: 0.100 * (1.0 + 0.2 * min(nodes - 1, 1) + 0.2 * max(0, nodes - 2))  # noqa: E731
+    _probe(policy, cost, shapes=((64, 64 * 300),))
+    chosen = _feed(policy, list(range(64)), 64 * 300, cost, lambda nodes: int(nodes > 1 and rng.random() < 0.25),
+                   steps=480)
+    measuring = [i for i, n in enumerate(chosen) if n != 1]
+    # Waits of 16, 32, 64, ... steps; with a fixed wait of 16 it measured 19 times, 7 in the second half.
+    assert len(measuring) <= 8 and sum(i >= 240 for i in measuring) <= 1
+
+
+def test_long_contexts_make_trees_dear_from_the_first_step():
+    """The draft's levels attend to the context as the verify rows do: at 4 requests of 64 tokens trees
+    pay, at 4 requests of 1.5k tokens each draft level's attention makes them slower than plain
+    decoding. Warm from the probe (which times a batch at 1k tokens), the policy runs trees at the
+    short context and plain steps at the long one from the first step (a rare measuring step aside)."""
+    def cost(nodes, batch, context):
+        levels = min(3, nodes - 1)
+        return 0.030 + 0.0005 * batch * nodes + 0.002 * levels + 0.006 * levels * context / 1024
+
+    short, long = _policy(), _policy()
+    for policy in (short, long):
+        for batch, context in ((1, 64), (16, 16 * 64), (4, 4 * 1024)):
+            for nodes in probe_sizes(policy):
+                policy.forced = nodes
+                _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
+        policy.end_probe()
+    chosen = _feed(short, list(range(4)), 4 * 64, lambda n, b: cost(n, b, 4 * 64), _wider_accepts_more, steps=64)
+    assert 1 not in chosen
+    chosen = _feed(long, list(range(4)), 4 * 1536, lambda n, b: cost(n, b, 4 * 1536), _wider_accepts_more, steps=64)
+    assert chosen[0] == 1 and chosen.count(1) >= 60
