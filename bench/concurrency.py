@@ -16,11 +16,15 @@ config is loaded first in every dtype, and at each level they take turns (every 
 and config, `--repeats` rounds), so load from other processes hits them alike: compare ratios
 within one run. Output tokens must equal `none`'s in the same dtype (greedy speculation is
 lossless); differing requests are counted. Results are grouped "PROMPTS-DTYPE"; each entry also
-holds the decode steps per tree size the engine chose (`tree_sizes`). Engines are built (and their
+holds the decode steps per tree size the engine chose (`tree_sizes`) and this process's CPU
+milliseconds per output token (`cpu_ms_per_token`, local backend: every thread of the engine) with
+its ratio to `none`'s (`cpu_ratio`), which a loaded machine distorts far less than wall time. Engines are built (and their
 start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick subset:
 `--levels 1,16 --prompts short --dtypes float32 --max-tokens 32 --repeats 1`; the issue's full run
 (about 45-60 minutes on a quiet 2-core CPU): `--levels 1,2,4,8,16,32,64 --prompts short,long
---dtypes float32,bfloat16 --configs serve,serve+fixed/16 --max-tokens 64 --repeats 2 --plot`.
+--dtypes float32,bfloat16 --configs serve,serve+fixed/16 --max-tokens 64 --repeats 2 --plot`, or
+with `--repeats 1` in about half that (configs still interleaved at every level; most of the time
+is the long prompts' prefills, the same for every config).
 """
 
 from __future__ import annotations

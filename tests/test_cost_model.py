@@ -223,3 +223,14 @@ def test_long_contexts_make_trees_dear_from_the_first_step():
     assert 1 not in chosen
     chosen = _feed(long, list(range(4)), 4 * 1536, lambda n, b: cost(n, b, 4 * 1536), _wider_accepts_more, steps=64)
     assert chosen[0] == 1 and chosen.count(1) >= 60
+
+
+def test_a_tree_no_faster_than_plain_decoding_leaves_it_be():
+    """A one-level tree that promises 1% more tokens per second than plain decoding (less than a fit
+    of noisy timings can tell) is not worth its draft work: plain decoding stays the choice."""
+    policy = _policy(tree_size=2, draft_depth=1)
+    # Every draft accepted: 2 tokens a step for 1.98x a plain step's seconds.
+    cost = lambda nodes, batch: 0.100 * (1.98 if nodes == 2 else 1.0)  # noqa: E731
+    _probe(policy, cost, shapes=((16, 16 * 300),))
+    chosen = _feed(policy, list(range(16)), 16 * 300, cost, lambda nodes: int(nodes > 1), steps=200)
+    assert chosen[-100:].count(1) >= 98
