@@ -206,7 +206,7 @@ def test_a_settled_choice_stops_measuring_rivals():
 def test_long_contexts_make_trees_dear_from_the_first_step():
     """The draft's levels attend to the context as the verify rows do: at 4 requests of 64 tokens trees
     pay, at 4 requests of 1.5k tokens each draft level's attention makes them slower than plain
-    decoding. Warm from the probe (which times a batch at 1k tokens), the policy runs trees at the
+    decoding. Warm from the probe (which times 2 requests at 1k tokens), the policy runs trees at the
     short context and plain steps at the long one from the first step (a rare measuring step aside)."""
     def cost(nodes, batch, context):
         levels = min(3, nodes - 1)
@@ -214,7 +214,7 @@ def test_long_contexts_make_trees_dear_from_the_first_step():
 
     short, long = _policy(), _policy()
     for policy in (short, long):
-        for batch, context in ((1, 64), (16, 16 * 64), (4, 4 * 1024)):
+        for batch, context in ((1, 64), (16, 16 * 64), (2, 2 * 1024)):
             for nodes in probe_sizes(policy):
                 policy.forced = nodes
                 _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
