@@ -9,7 +9,7 @@ import random
 import pytest
 
 from actors.cost_model import AcceptanceModel, DecayedLinearFit, TreeSizePolicy, capped_size, size_buckets
-from actors.cost_probe import probe_sizes
+from actors.cost_probe import DEFAULT_SHAPES, probe_sizes
 from graphs import EngineConfig, SamplingParams, build_graph
 
 
@@ -206,7 +206,7 @@ def test_a_settled_choice_stops_measuring_rivals():
 def test_long_contexts_make_trees_dear_from_the_first_step():
     """The draft's levels attend to the context as the verify rows do: at 4 requests of 64 tokens trees
     pay, at 4 requests of 1.5k tokens each draft level's attention makes them slower than plain
-    decoding. Warm from the probe (which times 2 requests at 1k tokens), the policy runs trees at the
+    decoding. Warm from the start-up probe's shapes (2 requests at 1k tokens among them), the policy runs trees at the
     short context and plain steps at the long one from the first step (a rare measuring step aside)."""
     def cost(nodes, batch, context):
         levels = min(3, nodes - 1)
@@ -214,7 +214,7 @@ def test_long_contexts_make_trees_dear_from_the_first_step():
 
     short, long = _policy(), _policy()
     for policy in (short, long):
-        for batch, context in ((1, 64), (16, 16 * 64), (2, 2 * 1024)):
+        for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
             for nodes in probe_sizes(policy):
                 policy.forced = nodes
                 _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
@@ -234,3 +234,22 @@ def test_a_tree_no_faster_than_plain_decoding_leaves_it_be():
     _probe(policy, cost, shapes=((16, 16 * 300),))
     chosen = _feed(policy, list(range(16)), 16 * 300, cost, lambda nodes: int(nodes > 1), steps=200)
     assert chosen[-100:].count(1) >= 98
+
+
+def test_the_probe_predicts_long_context_steps_of_many_requests():
+    """From the start-up probe's shapes alone, the fit extrapolates to 16 requests of 1.5k tokens,
+    where each draft level's attention over the context is most of a tree's cost: every tree size's
+    step seconds within 10%, so trees are not run there at a loss before the first measured step."""
+    def cost(nodes, batch, context):
+        levels = min(3, nodes - 1)
+        return 0.030 + 0.0005 * batch * nodes + 0.002 * levels + 0.006 * levels * context / 1024
+
+    policy = _policy()
+    for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
+        for nodes in probe_sizes(policy):
+            policy.forced = nodes
+            _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
+    policy.end_probe()
+    for n in policy.buckets[1:]:
+        predicted = policy.costs.predict(n, policy.depth(n), 16, 16 * 1536)
+        assert abs(predicted / cost(n, 16, 16 * 1536) - 1) < 0.1, n
