@@ -15,7 +15,7 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
   it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
   measuring costs little: a rival size is re-measured only while its predicted rate, widened by its
   uncertainty at this load (shrinking with the steps measured there), still reaches the best's, at
-  most once every `explore_every` steps.
+  most once every `explore_every` steps, and less often the longer the best at this load holds.
 
 Plain classes; no timing is taken here (the scheduler reports each step's wall time).
 """
@@ -40,8 +40,17 @@ PRIOR_TOKENS = 4.0
 # this below the best is not worth a measuring step.
 UNCERTAINTY = 0.25
 # Relative uncertainty of the acceptance rates before any real request drafted (the start-up probe's
-# dummies teach costs only); it shrinks as 1 / sqrt(1 + request-steps that drafted).
+# dummies teach costs only); it shrinks as 1 / sqrt(1 + request-steps of full trees, whose
+# acceptance the rates learn from).
 ACCEPTANCE_UNCERTAINTY = 1.0
+# Each measuring step that leaves a load's best size as it was doubles the wait before the next one
+# at that load, up to this many times `explore_every`; a new best there starts the wait over. A
+# settled choice (plain decoding at 64 requests, say) then spends almost nothing on rivals.
+MAX_BACKOFF = 16
+# How much more a tree must promise than plain decoding to be chosen over it. Plain decoding is the
+# safe side (no draft work, no catch-up when drafting resumes): a fit off by a few percent in a
+# tree's favour would otherwise run trees that are slower than plain steps where the two are close.
+PLAIN_MARGIN = 0.03
 
 
 def size_buckets(tree_size: int) -> list[int]:
@@ -110,23 +119,27 @@ class DecayedLinearFit:
 
 
 class StepCostModel:
-    """Seconds of a decode step of B requests attending to C context tokens that verifies n nodes per
-    request and drafts L levels for them, one decayed linear fit over every step taken:
+    """Seconds of a decode step of B requests attending to C context tokens (summed over requests) that
+    verifies n nodes per request and drafts L levels for them, one decayed linear fit over every step
+    taken:
 
-        cost = a + b B + c B n + d n C + e L + f L B
+        cost = a + b B + c B n + d n C + e L + f L B + g L C
 
     (fixed per step; per request; per verify row; attention of the rows over the context; per draft
-    level; per drafted request and level). One fit for all tree sizes, so a plain step measured at
-    this load also tells what a tree's fixed and per-request parts cost, and the other way round."""
+    level; per drafted request and level; attention of each level's beams over the context, which
+    makes long-context trees dearer on the draft's side too). One fit for all tree sizes, so a plain
+    step measured at this load also tells what a tree's fixed and per-request parts cost, and the
+    other way round."""
 
     def __init__(self, decay: float = 0.97):
-        self.fit = DecayedLinearFit(6, decay)
+        self.fit = DecayedLinearFit(7, decay)
         self.counts: dict[int, float] = {}  # decayed steps seen per tree size
 
     @staticmethod
     def _features(nodes: int, depth: int, batch: int, context_tokens: int) -> list[float]:
         context = context_tokens / _CONTEXT_UNIT
-        return [1.0, float(batch), float(batch * nodes), nodes * context, float(depth), float(depth * batch)]
+        return [1.0, float(batch), float(batch * nodes), nodes * context, float(depth), float(depth * batch),
+                depth * context]
 
     def observe(self, nodes: int, depth: int, batch: int, context_tokens: int, seconds: float) -> None:
         self.fit.observe(self._features(nodes, depth, batch, context_tokens), seconds)
@@ -214,8 +227,11 @@ class TreeSizePolicy:
         self.seen: dict[int, float] = {}
         self.predicted: dict[int, float] = {}
         self.step = 0
-        self.drafted = 0  # request-steps that drafted (evidence for the acceptance rates)
+        self.drafted = 0  # request-steps of full trees (the acceptance rates' evidence)
         self.explored = 0  # step a rival was last measured at
+        # Per load regime: the best size when last chosen, and the steps to wait before measuring a rival.
+        self.best_at: dict[tuple[int, int], int] = {}
+        self.wait: dict[tuple[int, int], int] = {}
         self.stats = AdaptiveStats()
 
     def end_probe(self) -> None:
@@ -263,19 +279,24 @@ class TreeSizePolicy:
                 return self._chosen(n)
         rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
                 for n in candidates}
-        best = max(rate, key=rate.get)
+        best = max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
         # flat in between). One is re-measured only while it may still beat the best within its
-        # uncertainty, and one rival at most every `explore_every` steps: measuring costs at most
-        # UNCERTAINTY / explore_every of throughput, and nothing once the choice is settled.
+        # uncertainty, and one rival at most every `explore_every` steps, then every 2, 4, ... times
+        # that while the best at this load stays the same (`MAX_BACKOFF`): measuring costs at most
+        # UNCERTAINTY / explore_every of throughput, and almost nothing once the choice is settled.
         i = candidates.index(best)
         rivals = {candidates[j] for j in (0, i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
         # Of the rivals still in reach, the one least measured at this load (then the likeliest): every
         # rival in reach gets its turn rather than the top one alone.
         regime = self._regime(batch, context_tokens)
+        if self.best_at.get(regime) != best:
+            self.best_at[regime], self.wait[regime] = best, self.explore_every
+        wait = self.wait.get(regime, self.explore_every)
         in_reach = [r for r in rivals if rate[r] * (1.0 + self.uncertainty(r, batch, context_tokens)) >= rate[best]]
-        if in_reach and self.step - self.explored >= self.explore_every:
+        if in_reach and self.step - self.explored >= wait:
             self.explored = self.step
+            self.wait[regime] = min(2 * wait, MAX_BACKOFF * self.explore_every)
             return self._chosen(min(in_reach, key=lambda r: (self.measured.get((r, *regime), 0.0), -rate[r])))
         return self._chosen(best)
 
@@ -300,7 +321,7 @@ class TreeSizePolicy:
             if nodes == self.tree_size:
                 for rid, a in zip(rids, accepted):
                     self.acceptance.observe(rid, depth, a)
-            self.drafted += len(rids)
+                self.drafted += len(rids)
         if self.adaptive and seconds is not None:
             self.costs.observe(nodes, depth, len(rids), context_tokens, seconds)
             for key in self.measured:

@@ -32,9 +32,13 @@ class ProbeShape:
             raise ValueError(f"ProbeShape: batch and prompt_tokens must be positive, got {self}")
 
 
-# One request at a short and a long context, and a batch: enough to tell apart the step's fixed,
-# per-request, per-row and per-context-row costs (`StepCostModel`'s features).
-DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(1, 512), ProbeShape(16, 64))
+# One request at a short context, a batch of them, and a few long-context requests: enough to tell
+# apart the step's fixed, per-request, per-row and per-context costs (`StepCostModel`'s features).
+# The long contexts are 1k tokens at a batch of 2, where verify rows and draft levels start paying
+# for their attention (Spec-Bench summarization and RAG prompts run to 1-2k tokens): a context term
+# learnt from one request at 512 tokens was too small to tell, and extrapolated to 16 x 1.5k. (The
+# probe's prefills, about 3k tokens in all, are most of its cost.)
+DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(16, 64), ProbeShape(2, 1024))
 
 
 def probe_sizes(policy: TreeSizePolicy) -> list[int]:

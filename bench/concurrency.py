@@ -16,11 +16,15 @@ config is loaded first in every dtype, and at each level they take turns (every 
 and config, `--repeats` rounds), so load from other processes hits them alike: compare ratios
 within one run. Output tokens must equal `none`'s in the same dtype (greedy speculation is
 lossless); differing requests are counted. Results are grouped "PROMPTS-DTYPE"; each entry also
-holds the decode steps per tree size the engine chose (`tree_sizes`). Engines are built (and their
+holds the decode steps per tree size the engine chose (`tree_sizes`) and this process's CPU
+milliseconds per output token (`cpu_ms_per_token`, local backend: every thread of the engine) with
+its ratio to `none`'s (`cpu_ratio`), which a loaded machine distorts far less than wall time. Engines are built (and their
 start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick subset:
 `--levels 1,16 --prompts short --dtypes float32 --max-tokens 32 --repeats 1`; the issue's full run
 (about 45-60 minutes on a quiet 2-core CPU): `--levels 1,2,4,8,16,32,64 --prompts short,long
---dtypes float32,bfloat16 --configs serve,serve+fixed/16 --max-tokens 64 --repeats 2 --plot`.
+--dtypes float32,bfloat16 --configs serve,serve+fixed/16 --max-tokens 64 --repeats 2 --plot`, or
+with `--repeats 1` in about half that (configs still interleaved at every level; most of the time
+is the long prompts' prefills, the same for every config).
 """
 
 from __future__ import annotations
@@ -51,14 +55,14 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
 def run_level(engine, conversations: list[list[dict]], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = tree_sizes(engine)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = engine.chat(conversations, params)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     for out in outs:
         if out.error:
             raise RuntimeError(f"request failed: {out.error}")
     after = tree_sizes(engine)
-    return {"wall_s": wall, "tokens": sum(o.num_output_tokens for o in outs),
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(o.num_output_tokens for o in outs),
             "steps": sum(o.num_verify_steps for o in outs), "token_ids": [list(o.token_ids) for o in outs],
             "tree_sizes": {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}}
 
@@ -93,19 +97,22 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
             for (kind, dtype, name), rs in runs.items():
                 reference = runs[(kind, dtype, REFERENCE)]
                 tps = lambda r: sum(x["tokens"] for x in r) / sum(x["wall_s"] for x in r)  # noqa: E731
+                cpu_per_token = lambda r: sum(x["cpu_s"] for x in r) / sum(x["tokens"] for x in r)  # noqa: E731
                 sizes: dict[int, int] = {}
                 for r in rs:
                     for k, n in r["tree_sizes"].items():
                         sizes[k] = sizes.get(k, 0) + n
                 entry = {"tokens_per_s": tps(rs), "wall_s": sum(r["wall_s"] for r in rs),
                          "speedup": tps(rs) / tps(reference),
+                         "cpu_ms_per_token": 1e3 * cpu_per_token(rs),
+                         "cpu_ratio": cpu_per_token(rs) / cpu_per_token(reference),
                          "acceptance_length": sum(r["tokens"] for r in rs) / max(1, sum(r["steps"] for r in rs)),
                          "mismatches": sum(a != b for r in rs for a, b in zip(r["token_ids"], reference[0]["token_ids"]))}
                 group = results.setdefault(f"{kind}-{dtype}", {}).setdefault(name, {})
                 group[str(level)] = {**{k: round(v, 3) for k, v in entry.items()},
                                      "tree_sizes": {str(k): n for k, n in sorted(sizes.items())}}
                 print(f"[concurrency] {level:3d} requests {kind}-{dtype} {name:24s} {entry['tokens_per_s']:8.2f} tok/s  "
-                      f"x{entry['speedup']:.2f}  accept {entry['acceptance_length']:.2f}  sizes {sizes}",
+                      f"x{entry['speedup']:.2f}  cpu x{entry['cpu_ratio']:.2f}  accept {entry['acceptance_length']:.2f}  sizes {sizes}",
                       file=sys.stderr)
         return results
     finally:

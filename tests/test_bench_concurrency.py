@@ -20,7 +20,9 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     for per_level in group.values():
         assert set(per_level) == {"1", "2"}
         assert all(entry["mismatches"] == 0 and entry["tokens_per_s"] > 0 for entry in per_level.values())
-    assert all(entry["speedup"] == 1.0 for entry in group["none"].values())
+    assert all(entry["speedup"] == 1.0 and entry["cpu_ratio"] == 1.0 for entry in group["none"].values())
+    # CPU per token (what a loaded machine distorts least) for every config, as a ratio to none's.
+    assert all(entry["cpu_ms_per_token"] > 0 and entry["cpu_ratio"] > 0 for e in group.values() for entry in e.values())
     # One request is within the cutoff of 1: it drafts exactly as ngram+fixed does; two are above it.
     cut, full = group["ngram+fixed@1"], group["ngram+fixed"]
     assert cut["1"]["acceptance_length"] == full["1"]["acceptance_length"]

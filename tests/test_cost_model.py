@@ -9,7 +9,7 @@ import random
 import pytest
 
 from actors.cost_model import AcceptanceModel, DecayedLinearFit, TreeSizePolicy, capped_size, size_buckets
-from actors.cost_probe import probe_sizes
+from actors.cost_probe import DEFAULT_SHAPES, probe_sizes
 from graphs import EngineConfig, SamplingParams, build_graph
 
 
@@ -185,3 +185,71 @@ def test_engine_start_probes_costs_and_leaves_nothing_behind(tiny_target, tiny_e
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     plain = build_graph(EngineConfig(model=str(tiny_target), kv_slots=4096))
     assert [o.token_ids for o in probed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_a_settled_choice_stops_measuring_rivals():
+    """At 64 requests a one-level tree runs about as fast as plain decoding (4% apart, within the
+    rival's uncertainty, so worth measuring now and then) and plain decoding holds as the choice:
+    the rival is measured less and less often while the choice holds, instead of once every
+    `explore_every` steps for as long as the load lasts."""
+    policy = _policy()
+    rng = random.Random(0)
+    cost = lambda nodes, batch: 0.100 * (1.0 + 0.2 * min(nodes - 1, 1) + 0.2 * max(0, nodes - 2))  # noqa: E731
+    _probe(policy, cost, shapes=((64, 64 * 300),))
+    chosen = _feed(policy, list(range(64)), 64 * 300, cost, lambda nodes: int(nodes > 1 and rng.random() < 0.25),
+                   steps=480)
+    measuring = [i for i, n in enumerate(chosen) if n != 1]
+    # Waits of 16, 32, 64, ... steps; with a fixed wait of 16 it measured 33 times, 15 in the second half.
+    assert len(measuring) <= 8 and sum(i >= 240 for i in measuring) <= 1
+
+
+def test_long_contexts_make_trees_dear_from_the_first_step():
+    """The draft's levels attend to the context as the verify rows do: at 4 requests of 64 tokens trees
+    pay, at 4 requests of 1.5k tokens each draft level's attention makes them slower than plain
+    decoding. Warm from the start-up probe's shapes (2 requests at 1k tokens among them), the policy runs trees at the
+    short context and plain steps at the long one from the first step (a rare measuring step aside)."""
+    def cost(nodes, batch, context):
+        levels = min(3, nodes - 1)
+        return 0.030 + 0.0005 * batch * nodes + 0.002 * levels + 0.006 * levels * context / 1024
+
+    short, long = _policy(), _policy()
+    for policy in (short, long):
+        for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
+            for nodes in probe_sizes(policy):
+                policy.forced = nodes
+                _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
+        policy.end_probe()
+    chosen = _feed(short, list(range(4)), 4 * 64, lambda n, b: cost(n, b, 4 * 64), _wider_accepts_more, steps=64)
+    assert 1 not in chosen
+    chosen = _feed(long, list(range(4)), 4 * 1536, lambda n, b: cost(n, b, 4 * 1536), _wider_accepts_more, steps=64)
+    assert chosen[0] == 1 and chosen.count(1) >= 60
+
+
+def test_a_tree_no_faster_than_plain_decoding_leaves_it_be():
+    """A one-level tree that promises 1% more tokens per second than plain decoding (less than a fit
+    of noisy timings can tell) is not worth its draft work: plain decoding stays the choice."""
+    policy = _policy(tree_size=2, draft_depth=1)
+    # Every draft accepted: 2 tokens a step for 1.98x a plain step's seconds.
+    cost = lambda nodes, batch: 0.100 * (1.98 if nodes == 2 else 1.0)  # noqa: E731
+    _probe(policy, cost, shapes=((16, 16 * 300),))
+    chosen = _feed(policy, list(range(16)), 16 * 300, cost, lambda nodes: int(nodes > 1), steps=200)
+    assert chosen[-100:].count(1) >= 98
+
+
+def test_the_probe_predicts_long_context_steps_of_many_requests():
+    """From the start-up probe's shapes alone, the fit extrapolates to 16 requests of 1.5k tokens,
+    where each draft level's attention over the context is most of a tree's cost: every tree size's
+    step seconds within 10%, so trees are not run there at a loss before the first measured step."""
+    def cost(nodes, batch, context):
+        levels = min(3, nodes - 1)
+        return 0.030 + 0.0005 * batch * nodes + 0.002 * levels + 0.006 * levels * context / 1024
+
+    policy = _policy()
+    for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
+        for nodes in probe_sizes(policy):
+            policy.forced = nodes
+            _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
+    policy.end_probe()
+    for n in policy.buckets[1:]:
+        predicted = policy.costs.predict(n, policy.depth(n), 16, 16 * 1536)
+        assert abs(predicted / cost(n, 16, 16 * 1536) - 1) < 0.1, n
