@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
 from actors.pass_rows import PassRows
 from models.build import ModelSource, build_draft
@@ -186,6 +187,7 @@ class DraftRunner:
         num_threads: int | None = None,
         ngram_branch: int = 0,
         min_path_prob: float = 0.0,
+        cuda_graphs: bool = True,
     ):
         set_threads(num_threads)
         self.ngram_branch, self.min_path_prob = ngram_branch, min_path_prob
@@ -196,13 +198,30 @@ class DraftRunner:
         target, draft = ModelSource.resolve(target_model), ModelSource.resolve(draft_model)
         self.model = build_draft(self.algorithm, draft, target, self.dtype, self.device)
         pack_linears(self.model, self.dtype, self.device)
-        self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
+        self.kv = self.model.make_kv_pool(pool_slots(num_slots), self.dtype, self.device)
+        self.num_slots = num_slots
+        # Propose levels and extends through CUDA graphs, one set per input kind (from the target
+        # or the draft's own recurrent state): {from_target: StepGraphs}, empty for eager.
+        self.graphs: dict[bool, StepGraphs] = {}
+        if cuda_graphs and self.device.type == "cuda":
+            self.use_step_graphs(capture=True)
         self.input_spec = get_draft_input_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.shifted = self.algorithm.is_eagle
         self._pending: dict[int, tuple[int, int, int, torch.Tensor | None]] = {}  # see _defer
 
+    def use_step_graphs(self, capture: bool) -> None:
+        """Run propose levels and extends through `StepGraphs` (captured when `capture` and on CUDA,
+        else the same padded static-buffer passes eagerly: how the CPU tests check them)."""
+        self.graphs = {
+            flag: StepGraphs(lambda tokens, hidden, attn, flag=flag: self.model.draft_forward(
+                tokens, hidden, attn, self.kv, flag), self.device, dump_slot=self.num_slots, capture=capture)
+            for flag in (True, False)}
+
     def _forward(self, rows: PassRows, hidden: torch.Tensor | None, from_target: bool):
+        out = self.graphs[from_target].run(rows, hidden) if self.graphs else None
+        if out is not None:
+            return out
         hidden = None if hidden is None else hidden.to(self.device)
         return self.model.draft_forward(rows.tokens.to(self.device), hidden, rows.metadata(self.device), self.kv,
                                         from_target)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
 from actors.pass_rows import PassRows, ragged_rows
+from models.attention import AttentionMetadata
 from models.build import ModelSource, build_target
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
@@ -29,6 +31,7 @@ class TargetRunner:
         dtype: str | torch.dtype = "float32",
         device: str = "auto",
         num_threads: int | None = None,
+        cuda_graphs: bool = True,
     ):
         set_threads(num_threads)
         self.algorithm = SpecAlgorithm.from_name(algorithm)
@@ -38,7 +41,11 @@ class TargetRunner:
         draft_config = ModelSource.resolve(draft_model).config if draft_model else None
         self.model = build_target(self.source, self.dtype, self.device)
         pack_linears(self.model, self.dtype, self.device)
-        self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
+        self.kv = self.model.make_kv_pool(pool_slots(num_slots), self.dtype, self.device)
+        self.num_slots = num_slots
+        self.graphs: StepGraphs | None = None  # decode / verify passes through CUDA graphs
+        if cuda_graphs and self.device.type == "cuda":
+            self.use_step_graphs(capture=True)
         # What the draft consumes: EAGLE3 the concatenated inputs of the aux layers, EAGLE the
         # final hidden state; others nothing. The width is the spec's, checked on the way out.
         self.out_spec = get_draft_input_hidden_state_spec(self.algorithm, self.source.config, draft_config, self.dtype)
@@ -63,8 +70,19 @@ class TargetRunner:
         (h_v, h_p), (a_v, a_p) = _split_rows(hidden, rows), _split_rows(aux, rows)
         return self._verified(decode, verify, h_v, a_v).merge(self._prefilled(prefill, p_in, h_p, a_p))
 
-    def _run(self, rows: PassRows):
-        return self.model(rows.tokens.to(self.device), rows.metadata(self.device), self.kv, self.aux_layer_ids)
+    def use_step_graphs(self, capture: bool) -> None:
+        """Run verify passes through `StepGraphs` (captured when `capture` and on CUDA, else the
+        same padded static-buffer pass eagerly: how the CPU tests check it)."""
+        self.graphs = StepGraphs(self._forward, self.device, dump_slot=self.num_slots, capture=capture)
+
+    def _forward(self, tokens: torch.Tensor, _hidden, attn: AttentionMetadata):
+        return self.model(tokens, attn, self.kv, self.aux_layer_ids)
+
+    def _run(self, rows: PassRows, graphed: bool = False):
+        """(hidden (T, H), aux (T, A) or None) of one forward over `rows`; `graphed`: through the
+        step graphs when they hold its shape (a decode / verify pass)."""
+        out = self.graphs.run(rows) if graphed and self.graphs is not None else None
+        return out if out is not None else self._forward(rows.tokens.to(self.device), None, rows.metadata(self.device))
 
     @staticmethod
     def _choose(logits: torch.Tensor, *per_row: torch.Tensor, processors=None) -> torch.Tensor:
@@ -130,7 +148,7 @@ class TargetRunner:
         )
 
     def verify(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
-        return self._verified(meta, verify, *self._run(self._verify_inputs(meta, verify)))
+        return self._verified(meta, verify, *self._run(self._verify_inputs(meta, verify), graphed=True))
 
     @staticmethod
     def _verify_inputs(meta: BatchMeta, verify: VerifyInput) -> PassRows:
