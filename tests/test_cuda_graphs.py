@@ -102,14 +102,15 @@ def _generate(target, graphs: bool, **kw):
                                                           getattr(r, "graphs", {}).values()) if g is not None]
     finally:
         engine.shutdown()
-    return [o.token_ids for o in outs], replays
+    return [(o.token_ids, o.accept_lens) for o in outs], replays
 
 
 @pytest.mark.parametrize("algorithm,draft", [("NONE", None), ("EAGLE3", "tiny_eagle3_shared")])
 def test_engine_through_padded_static_passes_is_lossless(request, tiny_target, algorithm, draft):
     """Whole generations with every small pass through the static buffers (target verify,
     draft levels and extends) equal the eager engine's tokens, for plain decoding and the
-    EAGLE-3 tree."""
+    EAGLE-3 tree, and accept the same drafts at every step (the draft's passes proposed alike:
+    outputs alone would stay lossless whatever the draft did)."""
     kw = dict(speculative_algorithm=algorithm)
     if draft:
         kw.update(draft_model=str(request.getfixturevalue(draft)), eagle_topk=4, num_draft_tokens=8, num_steps=3)
