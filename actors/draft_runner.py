@@ -13,9 +13,11 @@ batches stay rectangular; 1 is a plain decode step (the root alone, nothing draf
 from __future__ import annotations
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
+from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
-from models.attention import AttentionMetadata
+from actors.pass_rows import PassRows
 from models.build import ModelSource, build_draft
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
@@ -185,6 +187,7 @@ class DraftRunner:
         num_threads: int | None = None,
         ngram_branch: int = 0,
         min_path_prob: float = 0.0,
+        cuda_graphs: bool = True,
     ):
         set_threads(num_threads)
         self.ngram_branch, self.min_path_prob = ngram_branch, min_path_prob
@@ -195,16 +198,33 @@ class DraftRunner:
         target, draft = ModelSource.resolve(target_model), ModelSource.resolve(draft_model)
         self.model = build_draft(self.algorithm, draft, target, self.dtype, self.device)
         pack_linears(self.model, self.dtype, self.device)
-        self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
+        self.kv = self.model.make_kv_pool(pool_slots(num_slots), self.dtype, self.device)
+        self.num_slots = num_slots
+        # Propose levels and extends through CUDA graphs, one set per input kind (from the target
+        # or the draft's own recurrent state): {from_target: StepGraphs}, empty for eager.
+        self.graphs: dict[bool, StepGraphs] = {}
+        if cuda_graphs and self.device.type == "cuda":
+            self.use_step_graphs(capture=True)
         self.input_spec = get_draft_input_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.shifted = self.algorithm.is_eagle
         self._pending: dict[int, tuple[int, int, int, torch.Tensor | None]] = {}  # see _defer
 
-    def _forward(self, tokens, hidden, positions, prefix, new_slots, from_target):
-        attn = AttentionMetadata.build(prefix, new_slots, positions, [None] * len(new_slots), self.device)
+    def use_step_graphs(self, capture: bool) -> None:
+        """Run propose levels and extends through `StepGraphs` (captured when `capture` and on CUDA,
+        else the same padded static-buffer passes eagerly: how the CPU tests check them)."""
+        self.graphs = {
+            flag: StepGraphs(lambda tokens, hidden, attn, flag=flag: self.model.draft_forward(
+                tokens, hidden, attn, self.kv, flag), self.device, dump_slot=self.num_slots, capture=capture)
+            for flag in (True, False)}
+
+    def _forward(self, rows: PassRows, hidden: torch.Tensor | None, from_target: bool):
+        out = self.graphs[from_target].run(rows, hidden) if self.graphs else None
+        if out is not None:
+            return out
         hidden = None if hidden is None else hidden.to(self.device)
-        return self.model.draft_forward(tokens.to(self.device), hidden, attn, self.kv, from_target)
+        return self.model.draft_forward(rows.tokens.to(self.device), hidden, rows.metadata(self.device), self.kv,
+                                        from_target)
 
     @torch.inference_mode()
     def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
@@ -235,14 +255,15 @@ class DraftRunner:
                 rows, prefix, waiting = self._waiting(meta.prefill_part())
                 if rows:
                     self._catch_up(prefix, waiting)
-        return self._write([meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())], ext)
+        return self._write(meta.kv_slots, meta.seq_lens, ext)
 
-    def _write(self, prefix: list[torch.Tensor], ext: DraftExtendInput) -> DraftInput:
-        """One draft forward over `ext`'s tokens (each request's after its `prefix` slots): their KV,
-        and each request's next DraftInput from its last row."""
-        new_slots = list(torch.split(ext.slots, ext.extend_lens.tolist()))
-        tokens = ext.next_tokens if self.shifted else ext.tokens
-        recurrent, head = self._forward(tokens, ext.hidden_states, ext.positions, prefix, new_slots, True)
+    def _write(self, prefix: torch.Tensor, prefix_lens: torch.Tensor, ext: DraftExtendInput) -> DraftInput:
+        """One draft forward over `ext`'s tokens (each request's after its committed slots, prefix
+        (B, L) valid up to prefix_lens (B,)): their KV, and each request's next DraftInput from its
+        last row."""
+        rows = PassRows(tokens=ext.next_tokens if self.shifted else ext.tokens, positions=ext.positions,
+                        prefix=prefix, prefix_lens=prefix_lens, slots=ext.slots, new_lens=ext.extend_lens)
+        recurrent, head = self._forward(rows, ext.hidden_states, True)
         last = _last_rows(ext)
         verified = ext.next_tokens[last]
         if not self.shifted:
@@ -287,7 +308,8 @@ class DraftRunner:
             hidden_states=hidden, extend_lens=torch.tensor([len(w) for w in waiting], dtype=torch.long),
             accept_lens=torch.zeros(len(waiting), dtype=torch.long),
         )
-        return self._write(prefix, ext)
+        return self._write(pad_sequence(prefix, batch_first=True),
+                           torch.tensor([p.numel() for p in prefix], dtype=torch.long), ext)
 
     def _waiting(self, meta: BatchMeta) -> tuple[list[int], list[torch.Tensor], list[list[int]]]:
         """The rows of `meta` whose committed slots end in waiting tokens: each one's prefix before
@@ -351,14 +373,15 @@ class DraftRunner:
         draft_input = self._caught_up(meta, draft_input)
         if self.hidden_spec is not None:
             self.hidden_spec.check(draft_input.hidden_states, "draft.propose input")
-        seq_lens = meta.seq_lens
-        committed = [meta.kv_slots[b, :s] for b, s in enumerate(seq_lens.tolist())]
+        seq_lens, committed = meta.seq_lens, meta.kv_slots  # committed (B, L) valid up to seq_lens
         scratch = meta.scratch_slots
         used = 0
         lineage = torch.zeros((batch, 0), dtype=torch.long)  # (B, depth) scratch slots of a beam's ancestors
         if draft_input.topk_index.shape[1] == 0:
             # STANDALONE: the root is not in the draft's KV yet; consume it to get the first top-k.
-            _, head = self._forward(draft_input.verified_id, None, seq_lens, committed, list(scratch[:, :1]), False)
+            root = PassRows(tokens=draft_input.verified_id, positions=seq_lens, prefix=committed, prefix_lens=seq_lens,
+                            slots=scratch[:, 0], new_lens=torch.ones(batch, dtype=torch.long))
+            _, head = self._forward(root, None, False)
             scores, tokens = (t.cpu() for t in self.model.topk(head, k))
             lineage, used, hidden = scratch[:, :1], 1, None
         else:
@@ -378,11 +401,12 @@ class DraftRunner:
             used += k
             # EAGLE pairs the depth-d token with its parent's hidden at position L + d - 1.
             positions = (seq_lens + depth - (1 if self.shifted else 0)).repeat_interleave(k)
-            prefix = [torch.cat([committed[b], beam_lineage[b, j]]) for b in range(batch) for j in range(k)]
+            level = PassRows(tokens=beam_tokens.reshape(-1), positions=positions,
+                             prefix=_beam_prefix(committed, seq_lens, beam_lineage),
+                             prefix_lens=(seq_lens + beam_lineage.shape[2]).repeat_interleave(k),
+                             slots=slots.reshape(-1), new_lens=torch.ones(batch * k, dtype=torch.long))
             recurrent, head = self._forward(
-                beam_tokens.reshape(-1), None if beam_hidden is None else beam_hidden.reshape(batch * k, -1),
-                positions, prefix, list(slots.reshape(-1, 1)), False,
-            )
+                level, None if beam_hidden is None else beam_hidden.reshape(batch * k, -1), False)
             probs, ids = (t.cpu() for t in self.model.topk(head, k))  # (B*K, K)
             cand_scores = (beam_scores.unsqueeze(2) * probs.view(batch, k, k)).reshape(batch, k * k)
             cand_tokens = ids.view(batch, k * k)
@@ -408,6 +432,16 @@ class DraftRunner:
         if self.min_path_prob:
             nodes = min(nodes, confident_nodes(pool[0], self.min_path_prob))
         return select_tree(draft_input.verified_id, seq_lens, *pool, nodes)
+
+
+def _beam_prefix(committed: torch.Tensor, seq_lens: torch.Tensor, lineage: torch.Tensor) -> torch.Tensor:
+    """Each beam's keys before its new token: its request's committed slots (B, L), valid up to
+    seq_lens (B,), then its ancestors' scratch slots lineage (B, K, d) -> (B * K, L + d), valid up
+    to seq_lens + d."""
+    batch, k, d = lineage.shape
+    out = torch.nn.functional.pad(committed, (0, d)).repeat_interleave(k, 0)  # (B * K, L + d)
+    cols = (seq_lens.repeat_interleave(k).unsqueeze(1) + torch.arange(d))  # (B * K, d)
+    return out.scatter_(1, cols, lineage.reshape(batch * k, d))
 
 
 def _with_rows(base: DraftInput, rows: list[int], new: DraftInput) -> DraftInput:

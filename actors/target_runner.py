@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
+from actors.pass_rows import PassRows, ragged_rows
 from models.attention import AttentionMetadata
 from models.build import ModelSource, build_target
 from models.packed import pack_linears
@@ -29,6 +31,7 @@ class TargetRunner:
         dtype: str | torch.dtype = "float32",
         device: str = "auto",
         num_threads: int | None = None,
+        cuda_graphs: bool = True,
     ):
         set_threads(num_threads)
         self.algorithm = SpecAlgorithm.from_name(algorithm)
@@ -38,7 +41,11 @@ class TargetRunner:
         draft_config = ModelSource.resolve(draft_model).config if draft_model else None
         self.model = build_target(self.source, self.dtype, self.device)
         pack_linears(self.model, self.dtype, self.device)
-        self.kv = self.model.make_kv_pool(num_slots, self.dtype, self.device)
+        self.kv = self.model.make_kv_pool(pool_slots(num_slots), self.dtype, self.device)
+        self.num_slots = num_slots
+        self.graphs: StepGraphs | None = None  # decode / verify passes through CUDA graphs
+        if cuda_graphs and self.device.type == "cuda":
+            self.use_step_graphs(capture=True)
         # What the draft consumes: EAGLE3 the concatenated inputs of the aux layers, EAGLE the
         # final hidden state; others nothing. The width is the spec's, checked on the way out.
         self.out_spec = get_draft_input_hidden_state_spec(self.algorithm, self.source.config, draft_config, self.dtype)
@@ -58,15 +65,24 @@ class TargetRunner:
             return self.prefill(meta)
         decode, prefill = meta.decode_part(), meta.prefill_part()
         v_in, p_in = self._verify_inputs(decode, verify), self._prefill_inputs(prefill)
-        hidden, aux = self._run(*(a + b if isinstance(a, list) else torch.cat([a, b]) for a, b in zip(v_in, p_in)))
-        rows = v_in[0].numel()  # verify rows first, then the chunks' rows
+        hidden, aux = self._run(v_in.then(p_in))
+        rows = v_in.num_tokens  # verify rows first, then the chunks' rows
         (h_v, h_p), (a_v, a_p) = _split_rows(hidden, rows), _split_rows(aux, rows)
         return self._verified(decode, verify, h_v, a_v).merge(self._prefilled(prefill, p_in, h_p, a_p))
 
-    def _run(self, tokens, positions, prefix, new_slots, masks):
-        attn = AttentionMetadata.build(prefix, new_slots, positions, masks, self.device)
-        hidden, aux = self.model(tokens.to(self.device), attn, self.kv, self.aux_layer_ids)
-        return hidden, aux
+    def use_step_graphs(self, capture: bool) -> None:
+        """Run verify passes through `StepGraphs` (captured when `capture` and on CUDA, else the
+        same padded static-buffer pass eagerly: how the CPU tests check it)."""
+        self.graphs = StepGraphs(self._forward, self.device, dump_slot=self.num_slots, capture=capture)
+
+    def _forward(self, tokens: torch.Tensor, _hidden, attn: AttentionMetadata):
+        return self.model(tokens, attn, self.kv, self.aux_layer_ids)
+
+    def _run(self, rows: PassRows, graphed: bool = False):
+        """(hidden (T, H), aux (T, A) or None) of one forward over `rows`; `graphed`: through the
+        step graphs when they hold its shape (a decode / verify pass)."""
+        out = self.graphs.run(rows) if graphed and self.graphs is not None else None
+        return out if out is not None else self._forward(rows.tokens.to(self.device), None, rows.metadata(self.device))
 
     @staticmethod
     def _choose(logits: torch.Tensor, *per_row: torch.Tensor, processors=None) -> torch.Tensor:
@@ -92,25 +108,22 @@ class TargetRunner:
 
     def prefill(self, meta: BatchMeta) -> DraftExtendInput:
         inputs = self._prefill_inputs(meta)
-        return self._prefilled(meta, inputs, *self._run(*inputs))
+        return self._prefilled(meta, inputs, *self._run(inputs))
 
     @staticmethod
-    def _prefill_inputs(meta: BatchMeta):
-        """_run's arguments for the chunks of `meta` (prefill rows only): tokens (T,), positions
-        (T,), each request's prefix slots, new slots, and None masks (causal)."""
-        lens = meta.prefill_lens.tolist()
-        starts = meta.seq_lens.tolist()
-        tokens = torch.cat([meta.prefill_tokens[b, :n] for b, n in enumerate(lens)])  # (T,)
-        slots = [meta.prefill_slots[b, :n] for b, n in enumerate(lens)]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(starts)]
-        return tokens, positions, prefix, slots, [None] * len(lens)
+    def _prefill_inputs(meta: BatchMeta) -> PassRows:
+        """The chunks of `meta` (prefill rows only), each after its committed slots, causal."""
+        lens, width = meta.prefill_lens, meta.prefill_tokens.shape[1]
+        positions = meta.seq_lens.unsqueeze(1) + torch.arange(width)  # (B, P)
+        return PassRows(tokens=ragged_rows(meta.prefill_tokens, lens), positions=ragged_rows(positions, lens),
+                        prefix=meta.kv_slots, prefix_lens=meta.seq_lens,
+                        slots=ragged_rows(meta.prefill_slots, lens), new_lens=lens)
 
-    def _prefilled(self, meta: BatchMeta, inputs, hidden, aux) -> DraftExtendInput:
+    def _prefilled(self, meta: BatchMeta, inputs: PassRows, hidden, aux) -> DraftExtendInput:
         """The chunks' DraftExtendInput from their hidden rows (T, H) (and aux rows)."""
-        tokens, positions, _, slots, _ = inputs
+        tokens, positions = inputs.tokens, inputs.positions
         lens = meta.prefill_lens.tolist()
-        last = torch.tensor(lens).cumsum(0) - 1  # (B,) last row of each request
+        last = meta.prefill_lens.cumsum(0) - 1  # (B,) last row of each request
         logits = self.model.logits(hidden[last.to(self.device)])  # (B, V)
         sampled = self._choose(logits, meta.temperature, meta.top_p, meta.top_k, meta.seeds,
                                meta.seq_lens + meta.prefill_lens, meta.min_p,
@@ -128,23 +141,24 @@ class TargetRunner:
                 full[name][last] = value
             logprobs = full
         return DraftExtendInput(
-            tokens=tokens, next_tokens=next_tokens, positions=positions, slots=torch.cat(slots),
+            tokens=tokens, next_tokens=next_tokens, positions=positions, slots=inputs.slots,
             hidden_states=self._draft_rows(hidden, aux, torch.arange(tokens.numel(), device=self.device)),
             extend_lens=meta.prefill_lens.clone(), accept_lens=torch.zeros(len(lens), dtype=torch.long),
             **logprobs,
         )
 
     def verify(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
-        return self._verified(meta, verify, *self._run(*self._verify_inputs(meta, verify)))
+        return self._verified(meta, verify, *self._run(self._verify_inputs(meta, verify), graphed=True))
 
     @staticmethod
-    def _verify_inputs(meta: BatchMeta, verify: VerifyInput):
-        """_run's arguments for the trees of `meta` (decode rows only): B * N tokens and positions,
-        each request's committed slots, its N verify slots and its (N, N) tree mask."""
-        n = verify.num_draft_tokens
-        prefix = [meta.kv_slots[b, :s] for b, s in enumerate(meta.seq_lens.tolist())]
-        return (verify.draft_tokens.reshape(-1), verify.positions.reshape(-1), prefix,
-                list(meta.verify_slots[:, :n]), list(verify.tree_mask))
+    def _verify_inputs(meta: BatchMeta, verify: VerifyInput) -> PassRows:
+        """The trees of `meta` (decode rows only): B * N tokens after each request's committed
+        slots, in its N verify slots, under its (N, N) tree mask."""
+        batch, n = verify.draft_tokens.shape
+        return PassRows(tokens=verify.draft_tokens.reshape(-1), positions=verify.positions.reshape(-1),
+                        prefix=meta.kv_slots, prefix_lens=meta.seq_lens,
+                        slots=meta.verify_slots[:, :n].reshape(-1), new_lens=torch.full((batch,), n),
+                        trees=verify.tree_mask)
 
     def _verified(self, meta: BatchMeta, verify: VerifyInput, hidden, aux) -> DraftExtendInput:
         """Accept each tree's longest agreeing path from the trees' hidden rows (B * N, H)."""

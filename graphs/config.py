@@ -73,6 +73,10 @@ class EngineConfig:
     # (docs/benchmarks.md, bench/results/graph.json).
     draft_placement: str | None = None
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
+    # On CUDA, replay the target's decode / verify pass and the draft's propose and extend passes
+    # from CUDA graphs captured per batch-size bucket (actors.cuda_graphs); prefill and mixed steps,
+    # and any pass off CUDA, run eagerly. False: every pass eager.
+    cuda_graphs: bool = True
     # Ray 2.60's compiled-graph reads spin while they wait (ray#55128), stealing the cores the
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
     # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
@@ -134,7 +138,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: there is no speculation to limit (speculative_algorithm NONE)")
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("adaptive_speculation", "cost_probe"):
+        for name in ("adaptive_speculation", "cost_probe", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -163,7 +167,8 @@ class EngineConfig:
 
     def runner_kwargs(self, num_threads: int | None) -> dict:
         """What every runner is built with besides its model: KV pool size, dtype, device, threads."""
-        return dict(num_slots=self.kv_slots, dtype=self.torch_dtype, device=self.device, num_threads=num_threads)
+        return dict(num_slots=self.kv_slots, dtype=self.torch_dtype, device=self.device, num_threads=num_threads,
+                    cuda_graphs=self.cuda_graphs)
 
     @property
     def torch_dtype(self) -> torch.dtype:

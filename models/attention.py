@@ -59,57 +59,108 @@ class AttentionMetadata:
         new_masks: list[torch.Tensor | None],
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
-        """prefix_slots[b]: (P_b,) committed slots; new_slots[b]: (n_b,) slots of its new tokens
-        (flat order = requests in order); new_masks[b]: (n_b, n_b) bool or None for causal.
-
-        Built with a fixed number of tensor ops whatever the batch (a Python loop over requests
-        cost ~0.3 ms a request on the 2-core CPU, a tenth of a 32-request decode step); only tree
-        masks of different sizes are placed one request at a time."""
-        batch = len(new_slots)
-        prefix_lens = torch.tensor([int(p.numel()) for p in prefix_slots], dtype=torch.long)  # (B,)
-        new_lens = torch.tensor([int(s.numel()) for s in new_slots], dtype=torch.long)
-        fresh = not bool(prefix_lens.any()) and all(m is None for m in new_masks)  # unpadded already
-        runs = [] if fresh else _query_runs(new_lens)
-        if len(runs) > 1:
-            return cls._in_parts(runs, prefix_slots, new_slots, positions, new_masks, new_lens, device)
-        kv_lens = prefix_lens + new_lens
-        max_q = int(new_lens.max()) if batch else 0
-        max_k = int(kv_lens.max()) if batch else 0
-        total = int(new_lens.sum())
-        # Each request's keys: its prefix then its new slots, zero-padded to the longest.
-        kv_index = pad_sequence([torch.cat((p.long(), s.long())) for p, s in zip(prefix_slots, new_slots)],
-                                batch_first=True) if batch else torch.zeros((0, 0), dtype=torch.long)
-        q_pos, k_pos = torch.arange(max_q), torch.arange(max_k)
-        valid_q = q_pos < new_lens.unsqueeze(1)  # (B, Q)
-        # Causal: query q of request b sees keys up to P_b + q (its whole prefix included).
-        mask = (k_pos <= (prefix_lens.unsqueeze(1) + q_pos).unsqueeze(2)) & valid_q.unsqueeze(2)  # (B, Q, K)
-        trees = [b for b, m in enumerate(new_masks) if m is not None]
-        if trees:
-            _place_tree_masks(mask, trees, new_masks, prefix_lens, new_lens)
-        q_index = torch.where(valid_q, (new_lens.cumsum(0) - new_lens).unsqueeze(1) + q_pos, total)
-        # Padded query rows attend to one key so softmax stays finite; their output is dropped.
-        mask[..., 0] |= ~valid_q
-        return cls(
-            positions=positions.to(device),
-            out_slots=torch.cat(new_slots).to(device) if new_slots else torch.zeros(0, dtype=torch.long, device=device),
-            kv_index=kv_index.to(device),
-            mask=mask.unsqueeze(1).to(device),
-            q_index=q_index.to(device),
-            out_rows=valid_q.flatten().nonzero().flatten().to(device),
-            padded=total != batch * max_q,
-            fresh_lens=new_lens.tolist() if not bool(prefix_lens.any()) and not trees else None,
+        """`batched` from per-request lists (tools and tests; the runners build `batched`'s
+        tensors directly): prefix_slots[b] (P_b,) committed slots; new_slots[b] (n_b,) slots of its
+        new tokens (flat order = requests in order); new_masks[b] (n_b, n_b) bool, or None for
+        causal."""
+        lead = next((b for b, m in enumerate(new_masks) if m is None), len(new_masks))
+        trees = [m.bool() for m in new_masks[:lead]]
+        if any(m is not None for m in new_masks[lead:]) or len({m.shape for m in trees}) > 1:
+            # Masks anywhere: every request gets one, causal ones as a lower triangle, all padded to
+            # the largest (the columns past a request's own tokens stay masked).
+            size = max(int(s.numel()) for s in new_slots)
+            trees = [F.pad(torch.ones(n, n, dtype=torch.bool).tril() if m is None else m.bool(),
+                           (0, size - n, 0, size - n)) for m, n in ((m, int(s.numel())) for m, s in zip(new_masks, new_slots))]
+        return cls.batched(
+            pad_sequence([p.long() for p in prefix_slots], batch_first=True) if prefix_slots
+            else torch.zeros((0, 0), dtype=torch.long),
+            torch.tensor([int(p.numel()) for p in prefix_slots], dtype=torch.long),
+            torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.long),
+            torch.tensor([int(s.numel()) for s in new_slots], dtype=torch.long),
+            positions, torch.stack(trees) if trees else None, device,
         )
 
     @classmethod
-    def _in_parts(cls, runs: list[tuple[int, int]], prefix_slots, new_slots, positions, new_masks,
-                  new_lens: torch.Tensor, device) -> "AttentionMetadata":
+    def batched(
+        cls,
+        prefix_slots: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        new_slots: torch.Tensor,
+        new_lens: torch.Tensor,
+        positions: torch.Tensor,
+        tree_masks: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+        kv_width: int = 0,
+    ) -> "AttentionMetadata":
+        """One step's metadata from flat tensors, with a fixed number of tensor ops on `device`
+        whatever the batch (no per-request Python):
+
+        prefix_slots (B, L) each request's committed slots, valid up to prefix_lens (B,);
+        new_slots (T,) the new tokens' slots, request after request, new_lens (B,) of them each;
+        positions (T,); tree_masks (Bt, N, N) bool: the masks of the first Bt requests, which have
+        N new tokens each (a verify step's trees, the decode rows of a mixed step), or None: causal.
+        kv_width: at least this many key columns (a CUDA graph's fixed K; the extra ones masked)."""
+        prefix_lens, new_lens = prefix_lens.long().cpu(), new_lens.long().cpu()
+        batch, trees = int(new_lens.shape[0]), 0 if tree_masks is None else int(tree_masks.shape[0])
+        fresh = trees == 0 and not bool(prefix_lens.any())  # unpadded already
+        runs = [] if fresh else _query_runs(new_lens)
+        if len(runs) > 1:
+            return cls._in_parts(runs, prefix_slots, prefix_lens, new_slots, new_lens, positions, tree_masks, device)
+        out_slots, positions = new_slots.long().to(device), positions.to(device)
+        if fresh:  # attention splits the rows by request and needs no gather or mask
+            empty = torch.zeros(0, dtype=torch.long, device=device)
+            return cls(positions=positions, out_slots=out_slots, kv_index=empty.view(batch, 0),
+                       mask=empty.bool().view(batch, 1, 0, 0), q_index=empty.view(batch, 0), out_rows=empty,
+                       padded=False, fresh_lens=new_lens.tolist())
+        max_q = int(new_lens.max()) if batch else 0
+        max_k = max(int((prefix_lens + new_lens).max()) if batch else 0, kv_width,
+                    int((prefix_lens[:trees] + tree_masks.shape[1]).max()) if trees else 0)
+        total = int(new_lens.sum())
+        lens_p, lens_n = prefix_lens.to(device).unsqueeze(1), new_lens.to(device).unsqueeze(1)  # (B, 1)
+        starts = lens_n.cumsum(0) - lens_n  # (B, 1) first flat row of each request
+        q_pos, k_pos = torch.arange(max_q, device=device), torch.arange(max_k, device=device)
+        # Each request's keys: its prefix then its new slots, zero-padded to K.
+        prefix_slots = prefix_slots.long().to(device)
+        if prefix_slots.shape[1] == 0:
+            prefix_slots = prefix_slots.new_zeros((batch, 1))
+        from_prefix = prefix_slots.gather(1, k_pos.clamp(max=prefix_slots.shape[1] - 1).expand(batch, max_k))
+        new_row = (starts + k_pos - lens_p).clamp(0, total)  # (B, K) flat row of key k if new
+        from_new = torch.cat([out_slots, out_slots.new_zeros(1)])[new_row]
+        kv_index = torch.where(k_pos < lens_p, from_prefix, torch.where(k_pos < lens_p + lens_n, from_new, 0))
+        valid_q = q_pos < lens_n  # (B, Q)
+        # Causal: query q of request b sees keys up to P_b + q (its whole prefix included).
+        mask = (k_pos <= (lens_p + q_pos).unsqueeze(2)) & valid_q.unsqueeze(2)  # (B, Q, K)
+        if trees:
+            # Tree rows' new-token block (columns P_b .. P_b + N) is their own mask instead.
+            n = int(tree_masks.shape[1])
+            cols = (lens_p[:trees] + torch.arange(n, device=device)).unsqueeze(1).expand(trees, n, n)  # (Bt, N, N)
+            mask[:trees, :n].scatter_(2, cols, tree_masks.to(device).bool())
+        q_index = torch.where(valid_q, starts + q_pos, total)
+        # Padded query rows attend to one key so softmax stays finite; their output is dropped.
+        mask[..., 0] |= ~valid_q
+        padded = total != batch * max_q
+        return cls(
+            positions=positions,
+            out_slots=out_slots,
+            kv_index=kv_index,
+            mask=mask.unsqueeze(1),
+            q_index=q_index,
+            out_rows=valid_q.flatten().nonzero().flatten() if padded else q_index.flatten(),
+            padded=padded,
+        )
+
+    @classmethod
+    def _in_parts(cls, runs: list[tuple[int, int]], prefix_slots, prefix_lens, new_slots, new_lens, positions,
+                  tree_masks, device) -> "AttentionMetadata":
         """One part per run of consecutive requests (see `_query_runs`); the K/V of every new
         token is still written at once, through the whole pass's out_slots."""
         rows = [0] + new_lens.cumsum(0).tolist()
-        parts = [(rows[a], rows[b], cls.build(prefix_slots[a:b], new_slots[a:b], positions[rows[a]:rows[b]],
-                                              new_masks[a:b], device)) for a, b in runs]
+        trees = 0 if tree_masks is None else int(tree_masks.shape[0])
+        parts = [(rows[a], rows[b], cls.batched(
+            prefix_slots[a:b], prefix_lens[a:b], new_slots[rows[a]:rows[b]], new_lens[a:b],
+            positions[rows[a]:rows[b]], tree_masks[a:b] if a < trees else None, device)) for a, b in runs]
         empty = torch.zeros(0, dtype=torch.long, device=device)
-        return cls(positions=positions.to(device), out_slots=torch.cat(new_slots).to(device), kv_index=empty,
+        return cls(positions=positions.to(device), out_slots=new_slots.long().to(device), kv_index=empty,
                    mask=empty.bool(), q_index=empty, out_rows=empty, padded=False, parts=parts)
 
 
@@ -125,21 +176,6 @@ def _query_runs(new_lens: torch.Tensor) -> list[tuple[int, int]]:
     cuts = [i for i in range(1, len(long)) if long[i] != long[i - 1]]
     bounds = [0, *cuts, len(long)]
     return list(zip(bounds[:-1], bounds[1:]))
-
-
-def _place_tree_masks(mask: torch.Tensor, trees: list[int], new_masks: list[torch.Tensor | None],
-                      prefix_lens: torch.Tensor, new_lens: torch.Tensor) -> None:
-    """Overwrite the new-token block of mask (B, Q, K) with each listed request's own (n_b, n_b)
-    mask, at columns P_b .. P_b + n_b: one scatter when every request has a mask of one size (a
-    verify step), else one request at a time."""
-    batch, n = mask.shape[0], int(new_lens[trees[0]])
-    if len(trees) == batch and bool((new_lens == n).all()):
-        cols = (prefix_lens.unsqueeze(1) + torch.arange(n)).unsqueeze(1).expand(batch, n, n)  # (B, n, n)
-        mask.scatter_(2, cols, torch.stack(new_masks).bool())  # type: ignore[arg-type]
-        return
-    for b in trees:
-        p, n = int(prefix_lens[b]), int(new_lens[b])
-        mask[b, :n, p : p + n] = new_masks[b]
 
 
 class KVPool:

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-slots", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens one prefill step carries; longer prompts prefill in chunks (512)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="on a GPU, replay decode / verify and draft passes from CUDA graphs (on)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of earlier requests' shared prefixes (on by default)")
     p.add_argument("--dtype", default="auto",

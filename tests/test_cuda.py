@@ -57,3 +57,23 @@ def test_eagle3_trainer_on_gpu(tiny):
     reference = _greedy(tiny["target"], prompts=prompts)
     spec = _greedy(tiny["target"], out, "EAGLE3", prompts=prompts, num_steps=3)
     assert [o.token_ids for o in spec] == [o.token_ids for o in reference]
+
+
+@pytest.mark.parametrize("algorithm,draft", [("NONE", None), ("EAGLE3", "tiny_eagle3_shared")])
+def test_cuda_graphs_on_and_off_decode_alike(request, tiny_target, algorithm, draft):
+    """fp32, CUDA graphs on vs off: the same tokens (and the reference's), with the small passes
+    replayed from graphs (target verify; EAGLE-3 tree: draft levels and extends too)."""
+    kw = dict(speculative_algorithm=algorithm, adaptive_speculation=False, cost_probe=False)
+    if draft:
+        kw.update(draft_model=str(request.getfixturevalue(draft)), eagle_topk=4, num_draft_tokens=8, num_steps=3)
+    off = _run(tiny_target, cuda_graphs=False, **kw)
+    engine = build_graph(EngineConfig(model=str(tiny_target), kv_slots=2048, **kw))
+    try:
+        outs = engine.generate(PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+        target, drafter = engine.scheduler.executor.target, engine.scheduler.executor.drafter
+        assert target.graphs is not None and target.graphs.replays > 0
+        if draft:
+            assert all(g.replays > 0 for g in drafter.graphs.values())
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outs] == off == _run(tiny_target)
