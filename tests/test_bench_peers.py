@@ -29,3 +29,18 @@ def test_ratios_pair_plain_with_plain_and_serve_with_the_peers_eagle3():
     results = {"bfloat16": {"ours:none": level(30.0), "vllm:none": level(40.0), "ours:serve": level(60.0),
                             "vllm:eagle3": level(30.0)}}
     assert ratios(results) == {"bfloat16": {"plain": {"1": 0.75}, "serve_vs_eagle3": {"1": 2.0}}}
+
+
+def test_ours_serve_is_the_engine_make_serve_builds():
+    from bench.peers.ours_worker import engine_config
+    from serve.settings import split_args
+
+    job = {"model": "/models/target", "draft": "/heads/eagle3", "dtype": "bfloat16", "kv_slots": 4096,
+           "levels": [1, 4]}
+    served, _ = split_args({})  # what `make serve` (serve_app.py) runs, with its defaults applied
+    ours = engine_config(dict(job, config="serve"))
+    assert ours.backend == "ray"
+    for key, value in served.items():
+        if key not in ("model", "draft_model"):  # the bench passes the resolved folders
+            assert getattr(ours, key) == value, key
+    assert ours.draft_model == "/heads/eagle3"

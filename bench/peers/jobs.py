@@ -9,7 +9,8 @@ import time
 from typing import Callable
 
 # What each engine runs under each config name (ours: `bench.peers.ours_worker`, vLLM:
-# `bench.peers.vllm_worker`). "serve" is `make serve`'s speculation (serve.settings).
+# `bench.peers.vllm_worker`). "serve" is `make serve`'s engine: its speculation (serve.settings)
+# on the Ray backend; the others run our local (in-process) engine.
 CONFIGS = {
     "ours": ("none", "ngram", "eagle3", "serve"),
     "vllm": ("none", "ngram", "eagle3"),

@@ -20,7 +20,9 @@ def engine_config(job: dict) -> EngineConfig:
     if name == "eagle3":
         return EngineConfig(speculative_algorithm="eagle3", draft_model=job["draft"], num_steps=EAGLE3_STEPS, **common)
     if name == "serve":
-        return EngineConfig(**dict(DEFAULT_SPECULATION, draft_model=job["draft"]), **common)
+        # `make serve`'s engine as serve.settings builds it: its speculation on the Ray backend, so
+        # the scheduler actor, the runner actors and the compiled graph's hops are in the figure.
+        return EngineConfig(**dict(DEFAULT_SPECULATION, draft_model=job["draft"]), backend="ray", **common)
     raise ValueError(f"config: unknown config {name!r} for our engine")
 
 
