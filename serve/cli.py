@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-slots", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="prompt tokens one prefill step carries; longer prompts prefill in chunks (512)")
+    p.add_argument("--short-prefill-tokens", type=int, default=None,
+                   help="prompts needing at most this many tokens beyond the prefix cache prefill in a step "
+                        "of their own before the running decode (64; 0: off)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of earlier requests' shared prefixes (on by default)")
     p.add_argument("--dtype", default="auto",
