@@ -205,7 +205,7 @@ def test_short_prompt_prefills_ahead_of_the_running_decode(request):
     rng = random.Random(3)
     prompt = lambda n: [rng.randrange(1, 64) for _ in range(n)]  # noqa: E731
     arrivals = {0: [(prompt(20), greedy), (prompt(9), greedy)], 3: [(prompt(6), greedy), (prompt(7), greedy)],
-                5: [(prompt(80), greedy)], 6: [(prompt(5), greedy)]}
+                5: [(prompt(80), greedy)], 6: [(prompt(5), greedy)], 7: [(prompt(4), greedy)]}
     plans = []
     engine = _engine(request, *spec, short_prefill_tokens=16)
     outs = _staggered(engine, arrivals, lambda sched, plan: plans.append(
@@ -220,5 +220,7 @@ def test_short_prompt_prefills_ahead_of_the_running_decode(request):
     # the short one, after a decode step, prefills alone.
     assert plans[5][0] == "mixed" and 4 in plans[5][1]
     assert plans[6] == ("prefill", [5], 5)
+    # Step 7: another short arrival, but the decode comes first (it rides along).
+    assert plans[7][0] == "mixed" and 6 in plans[7][1]
     assert all(not (a[0] == b[0] == "prefill" and b[2]) for a, b in zip(plans, plans[1:]))
     _assert_kv_back(engine.scheduler)
