@@ -64,6 +64,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # tokens one prefill step carries (chunked prefill)
     max_model_len: int
     prefix_cache: bool = True
+    short_prefill_tokens: int = 0  # prompts this short (after the cache) prefill ahead of the decode (EngineConfig)
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
     draft_depth: int = 0  # draft levels of a full tree (num_steps; 0 without speculation)
@@ -106,6 +107,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._inflight: StepPlan | None = None  # planned, not yet committed
         self._failed: list[Request] = []  # failed outside a step's own requests, not yet reported
+        self._after_short_prefill = False  # the last step was a short prefill ahead of the running batch
         self._next_rid = 0
         self._admissions = itertools.count()
         self._rng = random.SystemRandom()
@@ -223,8 +225,10 @@ class Scheduler:
         prefill = self._prefill_work()
         try:
             if self.running:
-                plan = self._plan_decode()
-                plan = self._with_chunks(plan) if prefill else plan
+                plan = self._plan_prefill() if prefill and self._short_prefill_first() else None
+                if plan is None:
+                    plan = self._plan_decode()
+                    plan = self._with_chunks(plan) if prefill else plan
             else:
                 plan = self._plan_prefill() if prefill else None
             if plan is None and self.prefilling and not self.running:
@@ -239,7 +243,27 @@ class Scheduler:
                 self.fail_request(request, exc)
             return self.plan()
         self.stats.step_tokens = self._step_tokens(self._inflight)
+        self._after_short_prefill = self._inflight.kind == "prefill" and bool(self.running)
         return self._inflight
+
+    def _short_prefill_first(self) -> bool:
+        """Whether the prompts to prefill next (partly prefilled ones, then the ones admission would
+        take) need at most `short_prefill_tokens` forward tokens in all, prefix-cache hits left out:
+        they then run in a step of their own before the running batch's decode. Never twice in a
+        row, so a stream of short prompts cannot stall the running requests."""
+        limit = min(self.config.short_prefill_tokens, self.config.max_num_batched_tokens)  # one step: done
+        if limit <= 0 or self._after_short_prefill:
+            return False
+        need = sum(len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling)
+        room = self.config.max_running_requests - len(self.running) - len(self.prefilling)
+        for request in list(self.waiting)[: max(room, 0)]:
+            if need > limit:
+                break
+            tokens, known_next = request.kv_tokens()
+            cached = 0 if self.cache is None else len(
+                self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1])
+            need += len(tokens) - cached
+        return 0 < need <= limit
 
     def _prefill_work(self) -> bool:
         """Prompts to extend: partly prefilled ones, or waiting ones with room to run."""

@@ -55,6 +55,12 @@ class EngineConfig:
     # Tokens one step carries (vLLM's name): the running batch's verify rows, and in the same forward
     # chunks of waiting prompts, so a long prompt prefills over several steps and never stalls decoding.
     max_num_batched_tokens: int = 512
+    # Waiting prompts whose uncomputed tokens (after the prefix cache) total at most this many run in
+    # a prefill step of their own ahead of the running batch's decode, at most one such step between
+    # two decode steps: their first token then waits for a short forward, not for a whole
+    # speculative decode step (draft, tree verify, draft extend of every running request). 0: off
+    # (prompts always ride in the decode step).
+    short_prefill_tokens: int = 64
     # Keep finished requests' KV in a tree over token ids, reused by requests sharing a prefix.
     prefix_cache: bool = True
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -99,9 +105,10 @@ class EngineConfig:
             value = getattr(self, name)
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.max_actor_restarts, int) or isinstance(self.max_actor_restarts, bool) \
-                or self.max_actor_restarts < 0:
-            raise ValueError(f"max_actor_restarts must be a non-negative integer, got {self.max_actor_restarts!r}")
+        for name in ("max_actor_restarts", "short_prefill_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         check_dtype_name(self.dtype)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import ray
 
@@ -43,6 +44,7 @@ class SchedulerActor:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._subscribers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._unstarted: dict[int, int] = {}  # rid -> steps taken when it was submitted (until its first event)
         self._aborts: list[int] = []
         self._stop = False
         self._steps = 0
@@ -63,24 +65,27 @@ class SchedulerActor:
                 self._wakeup.wait(0.05)
                 self._wakeup.clear()
                 continue
+            started = time.monotonic()
             try:
                 progressed = self.runtime.step(self._lock)
             except Exception as exc:  # noqa: BLE001 - never leave a client hanging
                 log.exception("step failed beyond recovery")
                 with self._lock:
                     progressed = self.dp.fail_all(f"engine error: {exc}")
+            ended = time.monotonic()
             with self._lock:
                 self._steps += 1
-                self._publish(progressed)
+                self._publish(progressed, started, ended)
 
     def _apply_aborts(self) -> None:
         """Aborts wait for the step in flight to commit: its slots are still in use."""
         for rid in self._aborts:
             self._aborted += self.dp.abort(rid)  # counts requests ended early, not ones already done
             self._subscribers.pop(rid, None)
+            self._unstarted.pop(rid, None)
         self._aborts.clear()
 
-    def _publish(self, requests) -> None:
+    def _publish(self, requests, started: float, ended: float) -> None:
         for request in requests:
             sub = self._subscribers.get(request.rid)
             if sub is None:
@@ -88,10 +93,24 @@ class SchedulerActor:
             finished = request.finish_reason is not None
             event = {"delta": request.take_delta(), "finished": finished, "logprobs": request.take_logprobs(),
                      "output": request.output() if finished else None}
+            submitted_at_step = self._unstarted.pop(request.rid, None)
+            if submitted_at_step is not None:
+                event["timing"] = self._first_event_timing(request, submitted_at_step, started, ended)
             loop, queue = sub
             loop.call_soon_threadsafe(queue.put_nowait, event)
             if finished:
                 self._subscribers.pop(request.rid, None)
+
+    def _first_event_timing(self, request, submitted_at_step: int, started: float, ended: float) -> dict:
+        """Where a request's time to first token went inside this actor (time.monotonic(), one
+        clock for every process of the machine, so callers can place their own hops around it):
+        arrival (queued) -> admitted (planned into a step) -> step_started of the step that made the
+        first token -> step_ended -> published; steps: steps ended since it was submitted, that one
+        included (2 when a step was in flight on arrival; more for a chunked prompt)."""
+        admitted = request.arrival + (request.queue_wait_s or 0.0)
+        return {"arrival": request.arrival, "admitted": admitted, "step_started": started, "step_ended": ended,
+                "published": time.monotonic(), "steps": self._steps - submitted_at_step,
+                "prompt_tokens": len(request.prompt_ids), "cached_tokens": request.num_cached}
 
     # ---- requests (asyncio, many at once) -------------------------------------------
 
@@ -103,6 +122,7 @@ class SchedulerActor:
         with self._lock:
             rid = self.dp.add_request(prompt_ids, params)  # ValueError for impossible requests
             self._subscribers[rid] = (asyncio.get_running_loop(), queue)
+            self._unstarted[rid] = self._steps
         self._wakeup.set()
         return rid, queue
 

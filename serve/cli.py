@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt tokens one prefill step carries; longer prompts prefill in chunks (512)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on a GPU, replay decode / verify and draft passes from CUDA graphs (on)")
+    p.add_argument("--short-prefill-tokens", type=int, default=None,
+                   help="prompts needing at most this many tokens beyond the prefix cache prefill in a step "
+                        "of their own before the running decode (64; 0: off)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of earlier requests' shared prefixes (on by default)")
     p.add_argument("--dtype", default="auto",

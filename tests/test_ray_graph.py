@@ -194,3 +194,18 @@ def test_spent_restart_budget_breaks_the_engine_visibly(tiny_target):
         assert engine.stats()["free_slots"] == engine.stats()["kv_slots"]
     finally:
         engine.shutdown()
+
+
+def test_first_event_says_where_the_time_to_first_token_went(eagle3_engine):
+    """The scheduler actor's stamps (one monotonic clock for the machine's processes) fall between
+    the caller's submit and receipt, in the order the request passed them."""
+    called = time.monotonic()
+    events = eagle3_engine.stream_events([1, 2, 3, 4], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    first = next(events)
+    received = time.monotonic()
+    rest = list(events)
+    t = first["timing"]
+    assert called <= t["arrival"] <= t["admitted"] <= t["step_ended"] <= t["published"] <= received
+    assert t["arrival"] <= t["step_started"] <= t["step_ended"]
+    assert t["steps"] >= 1 and t["prompt_tokens"] == 4
+    assert all("timing" not in e for e in rest)

@@ -174,3 +174,53 @@ def test_step_budget_is_validated_by_name():
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             EngineConfig(max_num_batched_tokens=bad)
+
+
+def _staggered(engine, arrivals, watch=None):
+    """Requests submitted at given steps ({step: [(prompt, params)]}), stepped to the end;
+    `watch(scheduler, plan)` sees every committed plan. Returns the outputs in submission order."""
+    sched, reqs, step = engine.scheduler, [], 0
+    commit = sched.commit
+
+    def watch_commit(plan, *args):
+        if watch:
+            watch(sched, plan)
+        return commit(plan, *args)
+
+    sched.commit = watch_commit
+    while step <= max(arrivals) or sched.has_unfinished():
+        reqs += [sched.find(sched.add_request(p, params)) for p, params in arrivals.get(step, [])]
+        sched.step()
+        step += 1
+    return [r.output() for r in reqs]
+
+
+def test_short_prompt_prefills_ahead_of_the_running_decode(request):
+    """A prompt needing few tokens beyond the cache (here a short one) that arrives while others
+    decode gets its first token from a prefill step of its own, not from the running batch's
+    speculative decode step; a long prompt rides in the decode step (mixed); never two such steps
+    in a row; the tokens are those of the engine without it, and the KV comes back."""
+    spec = ("EAGLE3", "tiny_eagle3_own", 2, 6, 3)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    rng = random.Random(3)
+    prompt = lambda n: [rng.randrange(1, 64) for _ in range(n)]  # noqa: E731
+    arrivals = {0: [(prompt(20), greedy), (prompt(9), greedy)], 3: [(prompt(6), greedy), (prompt(7), greedy)],
+                5: [(prompt(80), greedy)], 6: [(prompt(5), greedy)], 7: [(prompt(4), greedy)]}
+    plans = []
+    engine = _engine(request, *spec, short_prefill_tokens=16)
+    outs = _staggered(engine, arrivals, lambda sched, plan: plans.append(
+        (plan.kind, [r.rid for r in plan.requests], len(sched.running))))
+    off = _engine(request, *spec, short_prefill_tokens=0)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _staggered(off, arrivals)]
+    # Steps 0-2: the first two prefill together, then decode. Step 3: the two short arrivals (13
+    # tokens) prefill alone while two requests run; step 4 decodes all four.
+    assert plans[0] == ("prefill", [0, 1], 0)
+    assert plans[3] == ("prefill", [2, 3], 2) and plans[4][0] == "decode"
+    # Step 5: the 80-token prompt needs more than 16: it rides in the decode step (mixed); step 6
+    # the short one, after a decode step, prefills alone.
+    assert plans[5][0] == "mixed" and 4 in plans[5][1]
+    assert plans[6] == ("prefill", [5], 5)
+    # Step 7: another short arrival, but the decode comes first (it rides along).
+    assert plans[7][0] == "mixed" and 6 in plans[7][1]
+    assert all(not (a[0] == b[0] == "prefill" and b[2]) for a, b in zip(plans, plans[1:]))
+    _assert_kv_back(engine.scheduler)
