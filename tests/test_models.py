@@ -881,7 +881,8 @@ def test_target_runner_constructs_and_runs_idle(tiny_target, restore_threads, dt
     # Serving packs linears on CPU where oneDNN runs the dtype (models/packed.py).
     packed = any(isinstance(m, PackedLinear) for m in runner.model.modules())
     assert packed == can_pack(expected, "cpu")
-    assert runner.kv.k[0].dtype == expected and runner.kv.num_slots == 32
+    # 32 slots to hand out, and the pool's last: the dump slot padded rows write to (actors.cuda_graphs)
+    assert runner.kv.k[0].dtype == expected and runner.num_slots == 32 and runner.kv.num_slots == 33
     out = runner.forward_step(BatchMeta.create_idle(), VerifyInput.create_idle(1))
     assert isinstance(out, DraftExtendInput) and out.num_requests == 0
     assert out.tokens.numel() == 0 and out.hidden_states is None
