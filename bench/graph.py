@@ -348,7 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     for p in args.omp_wait_policies:
         if p not in OMP_WAIT_POLICIES:
             raise SystemExit(f"--omp-wait-policies: unknown policy {p!r} (known: {', '.join(OMP_WAIT_POLICIES)})")
-    ray.init(address="local", num_cpus=max(8, 2 * args.cores), include_dashboard=False, log_to_driver=False)
+    ray_variants = len(args.placements) * len(args.omp_wait_policies)  # alive at once, `--cores` CPUs each
+    ray.init(address="local", num_cpus=max(8, args.cores * (1 + ray_variants)), include_dashboard=False, log_to_driver=False)
     result = {"meta": {"model": args.model, "max_tokens": args.max_tokens, "cores": args.cores, "rounds": args.rounds,
                        "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),
                        "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
