@@ -13,7 +13,6 @@ batches stay rectangular; 1 is a plain decode step (the root alone, nothing draf
 from __future__ import annotations
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
@@ -252,9 +251,10 @@ class DraftRunner:
             if meta.is_prefill:
                 # A prefix cache hit can end in tokens whose draft KV still waits (the request that
                 # computed them ended after plain steps): write it before extending past it.
-                rows, prefix, waiting = self._waiting(meta.prefill_part())
+                part = meta.prefill_part()
+                rows, prefix_lens, waiting = self._waiting(part)
                 if rows:
-                    self._catch_up(prefix, waiting)
+                    self._catch_up(part.kv_slots[rows], prefix_lens, waiting)
         return self._write(meta.kv_slots, meta.seq_lens, ext)
 
     def _write(self, prefix: torch.Tensor, prefix_lens: torch.Tensor, ext: DraftExtendInput) -> DraftInput:
@@ -296,9 +296,10 @@ class DraftRunner:
             waiting += 1
         return tail[len(tail) - waiting:]
 
-    def _catch_up(self, prefix: list[torch.Tensor], waiting: list[list[int]]) -> DraftInput:
-        """Extend the draft over each request's waiting tokens (`waiting[i]` after `prefix[i]`) in
-        one forward; returns those requests' DraftInput rows."""
+    def _catch_up(self, prefix: torch.Tensor, prefix_lens: list[int], waiting: list[list[int]]) -> DraftInput:
+        """Extend the draft over each request's waiting tokens (`waiting[i]` after the first
+        `prefix_lens[i]` of its committed slots `prefix[i]`, (R, L)) in one forward; returns those
+        requests' DraftInput rows."""
         entries = [self._pending.pop(slot) for slots in waiting for slot in slots]
         hidden = None if self.input_spec is None else torch.stack([e[3] for e in entries])
         long = lambda i: torch.tensor([e[i] for e in entries], dtype=torch.long)  # noqa: E731
@@ -308,28 +309,27 @@ class DraftRunner:
             hidden_states=hidden, extend_lens=torch.tensor([len(w) for w in waiting], dtype=torch.long),
             accept_lens=torch.zeros(len(waiting), dtype=torch.long),
         )
-        return self._write(pad_sequence(prefix, batch_first=True),
-                           torch.tensor([p.numel() for p in prefix], dtype=torch.long), ext)
+        return self._write(prefix, torch.tensor(prefix_lens, dtype=torch.long), ext)
 
-    def _waiting(self, meta: BatchMeta) -> tuple[list[int], list[torch.Tensor], list[list[int]]]:
-        """The rows of `meta` whose committed slots end in waiting tokens: each one's prefix before
-        them and the waiting slots."""
-        rows, prefix, waiting = [], [], []
+    def _waiting(self, meta: BatchMeta) -> tuple[list[int], list[int], list[list[int]]]:
+        """The rows of `meta` whose committed slots end in waiting tokens: each one's count of
+        committed slots before them, and the waiting slots."""
+        rows, prefix_lens, waiting = [], [], []
         for b, seq_len in enumerate(meta.seq_lens.tolist()):
             tail = self._pending_tail(meta.kv_slots[b], seq_len)
             if tail:
                 rows.append(b)
-                prefix.append(meta.kv_slots[b, : seq_len - len(tail)])
+                prefix_lens.append(seq_len - len(tail))
                 waiting.append(tail)
-        return rows, prefix, waiting
+        return rows, prefix_lens, waiting
 
     def _caught_up(self, meta: BatchMeta, draft_input: DraftInput) -> DraftInput:
         """`draft_input` with every request that has waiting tokens caught up (its placeholder row,
         see `_defer`, replaced by the real one)."""
-        rows, prefix, waiting = self._waiting(meta)
+        rows, prefix_lens, waiting = self._waiting(meta)
         if not rows:
             return draft_input
-        return _with_rows(draft_input, rows, self._catch_up(prefix, waiting))
+        return _with_rows(draft_input, rows, self._catch_up(meta.kv_slots[rows], prefix_lens, waiting))
 
     def _defer(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
         """A plain step's extend: keep the committed tokens' inputs for a later catch-up; returns
@@ -351,8 +351,8 @@ class DraftRunner:
         full = [b for b, tail in enumerate(tails) if len(tail) >= self.max_pending]
         if not full:
             return out
-        prefix = [meta.kv_slots[b, : seq_lens[b] - (len(tails[b]) - len(new[b]))] for b in full]
-        return _with_rows(out, full, self._catch_up(prefix, [tails[b] for b in full]))
+        prefix_lens = [seq_lens[b] - (len(tails[b]) - len(new[b])) for b in full]
+        return _with_rows(out, full, self._catch_up(meta.kv_slots[full], prefix_lens, [tails[b] for b in full]))
 
     @torch.inference_mode()
     def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:
