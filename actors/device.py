@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 
 import torch
 
@@ -57,23 +56,8 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-_threads: int | None = None  # this process's torch threads, as its runner set them
-_thread_state = threading.local()
-
-
 def set_threads(num_threads: int | None) -> None:
-    global _threads
+    """The calling thread's torch threads. OpenMP keeps the team size per calling thread, so this
+    runs where the runner will compute (Ray actors: actors.compute_thread)."""
     if num_threads:
-        _threads = num_threads
         torch.set_num_threads(num_threads)
-        _thread_state.threads = num_threads
-
-
-def use_threads_here() -> None:
-    """Give the calling thread the process's torch threads. OpenMP keeps the team size per
-    calling thread: a thread that did not set it starts from OMP_NUM_THREADS, and a Ray compiled
-    graph runs actor methods in its own thread, so with OMP_NUM_THREADS=1 in the environment its
-    matmuls ran on one core while `torch.get_num_threads()` still said 2."""
-    if _threads and getattr(_thread_state, "threads", None) != _threads:
-        torch.set_num_threads(_threads)
-        _thread_state.threads = _threads

@@ -2,7 +2,8 @@
 
 Each wrapper times its own compute, so benchmarks can separate Ray overhead (step wall
 time minus compute) from model time, and sends its step batches packed (actors.wire). Actors in a compiled graph still answer ordinary
-`.remote()` calls such as `stats()`.
+`.remote()` calls such as `stats()`. Runners are built and called on the actor's one compute
+thread (actors.compute_thread), whichever thread Ray calls from.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 import ray
 
 from actors import channel_wait, wire
-from actors.device import use_threads_here
+from actors.compute_thread import ComputeThread
 from actors.step import run_step
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
@@ -22,13 +23,17 @@ class _Timed:
         """Per process, before the first step: batches this actor returns travel packed."""
         wire.register()
         self._reset_stats()
+        self._compute = ComputeThread()
 
     def _reset_stats(self) -> None:
         self._compute_s = 0.0
         self._calls = 0
 
     def _timed(self, fn, *args):
-        use_threads_here()  # compiled graphs call in their own thread
+        return self._compute.run(self._time, fn, *args)
+
+    def _time(self, fn, *args):
+        """On the compute thread: the hand-over to it counts as Ray overhead, not compute."""
         start = time.perf_counter()
         try:
             return fn(*args)
@@ -59,7 +64,7 @@ class TargetActor(_Timed):
         from actors.target_runner import TargetRunner
 
         self._start()
-        self.runner = TargetRunner(**runner_kwargs)
+        self.runner = self._compute.run(lambda: TargetRunner(**runner_kwargs))
 
     def forward_step(self, meta_and_verify: tuple[BatchMeta, VerifyInput]) -> DraftExtendInput:
         return self._timed(self.runner.forward_step, *meta_and_verify)
@@ -73,7 +78,7 @@ class DraftActor(_Timed):
 
     def __init__(self, build, *args, **kwargs):
         self._start()
-        self.drafter = build(*args, **kwargs)
+        self.drafter = self._compute.run(lambda: build(*args, **kwargs))
 
     def propose(self, step: tuple[BatchMeta, DraftInput]) -> tuple[BatchMeta, VerifyInput]:
         meta, draft_input = step
@@ -94,8 +99,8 @@ class TargetDraftActor(_Timed):
         from actors.target_runner import TargetRunner
 
         self._start()
-        self.runner = TargetRunner(**target_kwargs)
-        self.drafter = build(*args, **kwargs)
+        self.runner = self._compute.run(lambda: TargetRunner(**target_kwargs))
+        self.drafter = self._compute.run(lambda: build(*args, **kwargs))
 
     def step(self, step: tuple[BatchMeta, DraftInput]) -> tuple[DraftExtendInput, DraftInput]:
         ext, draft_input = self._timed(run_step, self.runner, self.drafter, *step)

@@ -3,11 +3,6 @@ incremental detokenization, and configuration errors caught before weights load.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,7 +10,7 @@ import actors.target_runner
 from actors.request import IncrementalDetokenizer, Request
 from graphs import EngineConfig, SamplingParams, build_graph
 from spec import ShapeContractError
-from tiny_models import byte_tokenizer, make_eagle3
+from bench.random_models import byte_tokenizer, make_eagle3
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +24,6 @@ def eagle3(tiny_target, tiny_eagle3_own):
                                     draft_model=str(tiny_eagle3_own), eagle_topk=2, num_draft_tokens=6))
 
 
-ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
@@ -234,26 +228,3 @@ def test_ngram_lookup_proposes_only_what_matched():
     assert prompt_lookup([5, 6, 7, 8, 9, 5, 6], 4) == [7, 8, 9, 5]  # the longest suffix match wins
     assert prompt_lookup([1, 9, 2, 9], 4) == [2, 9]
     assert prompt_lookup([1, 9, 2, 9], 4, min_ngram=2) == []  # only a one-token match there
-
-
-def test_runner_threads_reach_a_thread_that_did_not_set_them():
-    """A Ray compiled graph calls actor methods in its own thread; OpenMP sizes each calling
-    thread's team from OMP_NUM_THREADS unless that thread sets it, so the runner's threads must
-    be set there too (asked of libgomp itself: torch.get_num_threads() reports the process's)."""
-    code = (
-        "import ctypes, os, threading, torch\n"
-        "from actors.device import set_threads, use_threads_here\n"
-        "gomp = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), 'lib', 'libgomp.so.1'))\n"
-        "set_threads(2)\n"
-        "seen = []\n"
-        "def step():\n"
-        "    seen.append(gomp.omp_get_max_threads())\n"
-        "    use_threads_here()\n"
-        "    seen.append(gomp.omp_get_max_threads())\n"
-        "t = threading.Thread(target=step); t.start(); t.join()\n"
-        "print(seen)\n"
-    )
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[1, 2]"

@@ -520,7 +520,10 @@ def test_full_queue_is_503_with_retry_after(server, client, engine_handle):
             client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "w1"}], stream=True)
     finally:
         engine_handle.set_max_queue.remote(old).result()
-    assert client.completions.create(model=SERVED, prompt="w1", max_tokens=2).choices[0].text
+    # Served again once the limit is back (greedy and ignore_eos: a sampled EOS or a token that decodes
+    # to no text would make a text check flaky).
+    served = client.completions.create(model=SERVED, prompt="w1", max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+    assert served.choices[0].finish_reason == "length" and served.usage.completion_tokens == 2
 
 
 @pytest.mark.integration
