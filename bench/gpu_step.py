@@ -50,7 +50,7 @@ def _sync(device: str) -> None:
 
 def write_models(root: Path, shape: dict) -> tuple[Path, Path]:
     """A random Llama of `shape` and a random EAGLE-3 head for it, saved as checkpoints."""
-    from tests.tiny_models import make_eagle3, make_llama
+    from bench.random_models import make_eagle3, make_llama
 
     target = make_llama(root / "target", vocab_size=shape["vocab_size"], hidden=shape["hidden"],
                         layers=shape["layers"], heads=shape["heads"], kv_heads=shape["kv_heads"],

@@ -1,6 +1,7 @@
-"""Tiny random models saved through the real formats (save_pretrained, safetensors in the
-public EAGLE / EAGLE-3 layouts) with a word-level tokenizer: fast, offline, and loaded by
-the same code as real checkpoints."""
+"""Random-weight models saved through the real formats (save_pretrained, safetensors in the
+public EAGLE / EAGLE-3 layouts) with a word-level tokenizer: fast, offline, and loaded by the
+same code as real checkpoints. The test suite's tiny models, and bench.gpu_step's models of
+real shapes."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
+from bench.random_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import make_eagle3, make_llama
+from bench.random_models import make_eagle3, make_llama
 
 from graphs.check_pair import MISMATCH_EXIT_CODE, main
 from models.loader import TensorSource

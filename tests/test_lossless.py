@@ -8,7 +8,7 @@ import json
 import pytest
 
 from graphs import EngineConfig, SamplingParams, build_graph
-from tiny_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
+from bench.random_models import make_eagle, make_eagle3, make_hot_vocab, make_llama
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [10, 11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 30, 31, 30, 31]]
 # Different lengths so requests finish at different steps.
@@ -359,7 +359,7 @@ def test_min_p_one_samples_the_top_token(tiny_target, reference):
 
 
 # --------------------------------------------------------------------------- bring your own model
-# Qwen3 and Mistral targets with drafts in the layouts they are published in (tests/tiny_models.py
+# Qwen3 and Mistral targets with drafts in the layouts they are published in (bench/random_models.py
 # names the source of each layout), shrunk; greedy output must be the target's own.
 
 BYO_PROMPTS, BYO_MAX_TOKENS = PROMPTS[:3], [14, 9, 11]

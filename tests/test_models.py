@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import make_eagle, make_eagle3, make_llama
+from bench.random_models import make_eagle, make_eagle3, make_llama
 
 from models.attention import AttentionMetadata, KVPool
 from models.build import ModelSource, build_draft, build_target, check_target

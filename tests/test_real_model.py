@@ -6,7 +6,7 @@ import pytest
 
 from graphs import EngineConfig, SamplingParams, build_graph
 from models.loader import resolve_model
-from tiny_models import make_eagle3, make_llama
+from bench.random_models import make_eagle3, make_llama
 
 pytestmark = pytest.mark.integration
 

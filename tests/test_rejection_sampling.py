@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from graphs import EngineConfig, SamplingParams, build_graph
-from tiny_models import make_eagle3, make_llama
+from bench.random_models import make_eagle3, make_llama
 
 VOCAB = 16
 PROMPT = [3, 1, 4]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spec.vocab import vocab_ids, vocab_maps
-from tiny_models import make_llama
+from bench.random_models import make_llama
 from train import cli, features, loop, runlog, sequences
 from train.decontam import SPEC_BENCH, EvalIndex, filter_prompts, load_eval_turns, user_text
 from train.prompts import (DOC_SEVERAL, DOC_SINGLE, back_translation_tasks, document_prompts, follow_up_text,
@@ -771,7 +771,7 @@ ROLE_TEMPLATE = ("{% if messages[0]['role'] != 'system' %}<system> You help. </s
 
 
 def make_tokenizer_with(template: str):
-    from tiny_models import word_tokenizer
+    from bench.random_models import word_tokenizer
 
     tok = word_tokenizer(VOCAB)
     tok.chat_template = template
