@@ -12,7 +12,12 @@ from spec.algorithm import SpecAlgorithm
 
 BACKENDS = ("local", "ray")
 DRAFT_PLACEMENTS = ("colocated", "separate")
-OMP_WAIT_POLICIES = ("default", "active", "passive")
+# The runner actors' environment per `omp_wait_policy` (read by libgomp when torch loads).
+# "brief": spin ~0.1 ms (3,000 pause loops) before sleeping: long enough to catch the next
+# parallel region of a step, short enough that a partner the OS preempted costs little.
+OMP_ENV = {"default": {}, "active": {"OMP_WAIT_POLICY": "ACTIVE"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+           "brief": {"GOMP_SPINCOUNT": "3000"}}
+OMP_WAIT_POLICIES = tuple(OMP_ENV)
 
 
 def _positive_int(value) -> bool:
@@ -87,11 +92,11 @@ class EngineConfig:
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
     # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
     graph_wait_sleep_us: float = 500.0
-    # How the runner actors' OpenMP threads wait for each other between parallel regions (their
-    # OMP_WAIT_POLICY, set before torch loads): "default" (libgomp spins a while, then sleeps),
-    # "active" (spins) or "passive" (sleeps at once). A thread spinning for a partner the OS has
-    # preempted wastes its core, and a 2-core server shares its cores with the scheduler, Serve and
-    # the client (docs/benchmarks.md). The local backend runs in the caller's process, as it is.
+    # How the runner actors' OpenMP threads wait for each other between parallel regions (OMP_ENV,
+    # set before torch loads): "default" (libgomp spins ~ms, then sleeps), "active" (spins),
+    # "passive" (sleeps at once) or "brief" (spins ~0.1 ms). A thread spinning for a partner the OS
+    # has preempted wastes its core, and a 2-core server shares its cores with the scheduler, Serve
+    # and the client (docs/benchmarks.md). The local backend runs in the caller's process, as it is.
     omp_wait_policy: str = "default"
     step_timeout_s: float = 300.0  # a step slower than this counts as a failed actor
     # Actor restarts allowed per actor of the graph within 10 minutes; beyond them the engine is

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.ray_actors import DraftActor, TargetActor, TargetDraftActor
 from actors.scheduler import DataParallelScheduler, Request
 from graphs.assembly import make_drafter
-from graphs.config import EngineConfig
+from graphs.config import OMP_ENV, EngineConfig
 from graphs.executors import ActorCallExecutor, CompiledStepExecutor, RankActors, TargetOnlyExecutor
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class GraphRuntime:
             # thread, as in the actor; docs/benchmarks.md).
             num_cpus=num_cpus, num_gpus=num_gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=bundle),
-            **({} if policy == "default" else {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy.upper()}}}),
+            **({"runtime_env": {"env_vars": OMP_ENV[policy]}} if OMP_ENV[policy] else {}),
         )
 
     def _runner_kwargs(self, num_cpus: float) -> dict:

@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from graphs import EngineConfig, SamplingParams, build_graph
+from graphs.config import OMP_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -36,6 +37,8 @@ def _ray_engine(target, algorithm=None, draft=None, **kw):
                                     draft_model=draft and str(draft), backend="ray", kv_slots=2048, **kw))
 
 
+OMP_POLICY = {"NGRAM": "passive", "STANDALONE": "brief"}  # the others run libgomp's default waits
+
 # Draft placement None is the per-algorithm default: colocated for EAGLE3 and NGRAM, separate for STANDALONE.
 @pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff,placement", [
     ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, None),
@@ -53,12 +56,14 @@ def test_lossless_through_the_compiled_graph(request, tiny_target, reference, al
     engine = _ray_engine(tiny_target, algorithm, draft and request.getfixturevalue(draft), dp_size=dp,
                          eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff, draft_placement=placement,
                          cost_probe=False, max_num_batched_tokens=6,
-                         omp_wait_policy="passive" if algorithm == "NGRAM" else "default")
+                         omp_wait_policy=OMP_POLICY.get(algorithm, "default"))
     try:
-        assert len(engine.actors()) == dp * (1 if engine.config.colocated_draft else 2)
-        if algorithm == "NGRAM":  # the runners' OpenMP threads sleep while they wait (set before torch loads)
-            assert ray.get([a.__ray_call__.remote(lambda self: os.environ.get("OMP_WAIT_POLICY"))
-                            for a in engine.actors()]) == ["PASSIVE"] * dp
+        actors = engine.actors()
+        assert len(actors) == dp * (1 if engine.config.colocated_draft else 2)
+        # The runners' OpenMP waits are set in their environment, before torch loads.
+        assert ray.get([a.__ray_call__.remote(lambda self: {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                                                            if k in os.environ})
+                        for a in actors]) == [OMP_ENV[OMP_POLICY.get(algorithm, "default")]] * len(actors)
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
         # One request on dp ranks: the other ranks run idle inputs every step.
         assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
