@@ -2,9 +2,10 @@
 measured costs instead of measuring them on the first users' requests.
 
 For each probe shape (a batch of dummy prompts of some length), the dummy requests are prefilled,
-then every probed tree size runs `steps_per_size` timed decode steps (the full tree first, the plain
-step last, so no draft catch-up is in the timings); the policies' cost fits learn from them as from
-any step. The dummy requests are then aborted (their KV freed, nothing cached) and the policies
+then every probed tree size runs `steps_per_size` timed decode steps (the full tree first, then
+smaller ones down to the plain step, then the full tree again: its first step catches the draft up
+over the plain steps' tokens, the catch-up term's first sample); the policies' cost fits learn from
+them as from any step. The dummy requests are then aborted (their KV freed, nothing cached) and the policies
 forget the acceptance and choices the dummies taught: only the costs stay. Shapes that do not fit
 the engine (its running-request limit, KV pool or model length) shrink or are skipped.
 
@@ -42,8 +43,11 @@ DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(16, 64), ProbeShape(2, 1024))
 
 
 def probe_sizes(policy: TreeSizePolicy) -> list[int]:
-    """The full tree, one draft level and the plain step: the fit is linear in nodes and levels."""
-    return sorted({policy.tree_size, min(2, policy.tree_size), 1}, reverse=True)
+    """The probed sizes in order: the full tree, a tree of two beam levels (4 nodes), one draft level
+    (no beam level) and the plain step, which tell apart the fit's per-row, per-drafted-request and
+    per-level terms; then the full tree again, after the plain steps (the catch-up)."""
+    return sorted({policy.tree_size, min(4, policy.tree_size), min(2, policy.tree_size), 1},
+                  reverse=True) + [policy.tree_size]
 
 
 def dummy_prompt(index: int, length: int, vocab_size: int) -> list[int]:
