@@ -646,6 +646,8 @@ class Scheduler:
 
     def commit_resync(self, plan: "StepPlan", draft_input: DraftInput) -> None:
         self.draft_input = draft_input
+        for request in plan.requests:  # the re-prefill extended their drafts over every token
+            self.policy.caught_up(request.rid)
 
     def release_uncommitted(self) -> "StepPlan | None":
         """Undo the allocations of a planned step that failed (its runners died or raised):

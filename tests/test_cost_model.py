@@ -169,7 +169,7 @@ def test_cost_fit_never_predicts_a_cheaper_step_for_more_work():
 def test_engine_start_probes_costs_and_leaves_nothing_behind(tiny_target, tiny_eagle3_shared):
     """build_graph times the full tree, one draft level and the plain step on dummy requests; users'
     requests then find the fit warm, every slot free, no dummy in the stats or the acceptance, and
-    their greedy output unchanged."""
+    their greedy output unchanged; finished requests leave nothing in the policy."""
     def engine(**kw):
         return build_graph(EngineConfig(model=str(tiny_target), speculative_algorithm="EAGLE3",
                                         draft_model=str(tiny_eagle3_shared), eagle_topk=4, num_draft_tokens=8,
@@ -185,6 +185,7 @@ def test_engine_start_probes_costs_and_leaves_nothing_behind(tiny_target, tiny_e
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     plain = build_graph(EngineConfig(model=str(tiny_target), kv_slots=4096))
     assert [o.token_ids for o in probed.generate(prompts, params)] == [o.token_ids for o in plain.generate(prompts, params)]
+    assert policy.lag == {}  # finished requests leave no catch-up count behind
 
 
 def test_a_settled_choice_stops_measuring_rivals():
