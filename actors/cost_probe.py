@@ -3,7 +3,7 @@ measured costs instead of measuring them on the first users' requests.
 
 For each probe shape (a batch of dummy prompts of some length), the dummy requests are prefilled,
 then every probed tree size runs `steps_per_size` timed decode steps (the full tree first, then
-smaller ones down to the plain step, then the full tree again: its first step catches the draft up
+smaller ones down to the plain step, then one draft level again: its first step catches the draft up
 over the plain steps' tokens, the catch-up term's first sample); the policies' cost fits learn from
 them as from any step. The dummy requests are then aborted (their KV freed, nothing cached) and the policies
 forget the acceptance and choices the dummies taught: only the costs stay. Shapes that do not fit
@@ -51,9 +51,10 @@ def probe_sizes(policy: TreeSizePolicy) -> list[int]:
     """The probed sizes in order, each run for `steps_per_size` steps: the full tree, a tree of two
     beam levels (4 nodes), one draft level (no beam level) and the plain step, which tell apart the
     fit's per-row, per-drafted-request and per-level terms; the plain step `PLAIN_RUNS` times over, then
-    the full tree again, whose first step catches the draft up over the plain steps' tokens."""
+    one draft level again, whose first step catches the draft up over the plain steps' tokens (the
+    cheapest tree, and one whose cost no `min_path_prob` cut of the levels varies)."""
     sizes = sorted({policy.tree_size, min(4, policy.tree_size), min(2, policy.tree_size)}, reverse=True)
-    return sizes + [1] * PLAIN_RUNS + [policy.tree_size]
+    return sizes + [1] * PLAIN_RUNS + [min(2, policy.tree_size)]
 
 
 # Tokens in the cycle a dummy prompt repeats.
