@@ -4,14 +4,17 @@ A step that verifies N nodes per request costs more than a plain step (N = 1, th
 and gains the draft tokens it accepts. Both sides are measured online, never assumed:
 
 * `StepCostModel`: step seconds, a decayed least-squares fit linear in the verify rows, the context
-  they attend to, the draft levels and the batch (what a verify row and a draft level cost at this
-  load, measured from the steps the engine runs).
+  they attend to, the draft's passes, the batch and the draft's catch-up (what a verify row, a draft
+  level and a caught-up token cost at this load, measured from the steps the engine runs).
 * `AcceptanceModel`: per request and draft depth, the decayed rate at which that depth's token is
   accepted given the one before it was, learnt from full-tree steps; new requests start from the
   batch-wide rates. Each smaller size scales them by its own measured correction.
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
-  sum_b E_b[accepted + 1] / cost(step). The user's `verify_budget` and `disable_by_batch_size` cap
+  sum_b E_b[accepted + 1] / cost(step), a tree's cost including the catch-up its draft needs first
+  (the tokens the batch's requests committed in plain steps since they were last drafted for: the
+  tree that resumes drafting pays it, so a tree that only just beats plain decoding does not resume
+  after a long stretch of plain steps). The user's `verify_budget` and `disable_by_batch_size` cap
   it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
   measuring costs little: a rival size is re-measured only while its predicted rate, widened by its
   uncertainty at this load (shrinking with the steps measured there), still reaches the best's, at
@@ -22,10 +25,13 @@ Plain classes; no timing is taken here (the scheduler reports each step's wall t
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Context tokens are fitted in thousands, so the features have comparable scales.
 _CONTEXT_UNIT = 1024.0
@@ -51,6 +57,9 @@ MAX_BACKOFF = 16
 # safe side (no draft work, no catch-up when drafting resumes): a fit off by a few percent in a
 # tree's favour would otherwise run trees that are slower than plain steps where the two are close.
 PLAIN_MARGIN = 0.03
+# Most tokens a request's draft leaves waiting behind plain steps (`actors.draft_runner`): at this
+# many the drafter catches it up during the plain step itself, which bounds the waiting inputs' memory.
+MAX_DRAFT_LAG = 128
 
 
 def size_buckets(tree_size: int) -> list[int]:
@@ -123,26 +132,34 @@ class StepCostModel:
     verifies n nodes per request and drafts L levels for them, one decayed linear fit over every step
     taken:
 
-        cost = a + b B + c B n + d n C + e L + f L B + g L C
+        cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + i U
 
-    (fixed per step; per request; per verify row; attention of the rows over the context; per draft
-    level; per drafted request and level; attention of each level's beams over the context, which
-    makes long-context trees dearer on the draft's side too). One fit for all tree sizes, so a plain
-    step measured at this load also tells what a tree's fixed and per-request parts cost, and the
-    other way round."""
+    (fixed per step; per request; per verify row; attention of the rows over the context; D = 1 when
+    the step drafts at all: the draft's extend over the accepted tokens and its top-k head, per step
+    and per drafted request; V = max(L - 1, 0) beam levels past the first, whose candidates come from
+    the extend's head, each over every request's beams; attention of the draft's passes over the
+    context, which makes long-context trees dearer on the draft's side too; U = catch-up tokens, those
+    plain steps left waiting (`actors.draft_runner`) that this step's draft must first extend over).
+    A one-level tree runs no beam level: a single levels term charged it a share of the full tree's
+    levels and mispredicted it. One fit for all tree sizes, so a plain step measured at this load also
+    tells what a tree's fixed and per-request parts cost, and the other way round."""
+
+    NUM_FEATURES = 9
 
     def __init__(self, decay: float = 0.97):
-        self.fit = DecayedLinearFit(7, decay)
+        self.fit = DecayedLinearFit(self.NUM_FEATURES, decay)
         self.counts: dict[int, float] = {}  # decayed steps seen per tree size
 
     @staticmethod
-    def _features(nodes: int, depth: int, batch: int, context_tokens: int) -> list[float]:
+    def _features(nodes: int, depth: int, batch: int, context_tokens: int, catch_up: int) -> list[float]:
         context = context_tokens / _CONTEXT_UNIT
-        return [1.0, float(batch), float(batch * nodes), nodes * context, float(depth), float(depth * batch),
-                depth * context]
+        drafts = 1.0 if depth else 0.0
+        return [1.0, float(batch), float(batch * nodes), nodes * context, drafts, drafts * batch,
+                float(max(depth - 1, 0) * batch), depth * context, float(catch_up)]
 
-    def observe(self, nodes: int, depth: int, batch: int, context_tokens: int, seconds: float) -> None:
-        self.fit.observe(self._features(nodes, depth, batch, context_tokens), seconds)
+    def observe(self, nodes: int, depth: int, batch: int, context_tokens: int, seconds: float,
+                catch_up: int = 0) -> None:
+        self.fit.observe(self._features(nodes, depth, batch, context_tokens, catch_up), seconds)
         for n in self.counts:
             self.counts[n] *= self.fit.decay
         self.counts[nodes] = self.counts.get(nodes, 0.0) + 1.0
@@ -150,9 +167,9 @@ class StepCostModel:
     def samples(self, nodes: int) -> float:
         return self.counts.get(nodes, 0.0)
 
-    def predict(self, nodes: int, depth: int, batch: int, context_tokens: int) -> float:
+    def predict(self, nodes: int, depth: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
         """Expected step seconds (never below a microsecond: an extrapolated line can dip under 0)."""
-        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens)))
+        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens, catch_up)))
 
 
 class AcceptanceModel:
@@ -217,6 +234,8 @@ class TreeSizePolicy:
         self.uncertainty_scale = UNCERTAINTY  # of costs; larger measures rivals more (tests switch sizes so)
         self.forced: int | None = None
         self.measured: dict[tuple[int, int, int], float] = {}  # (nodes, *regime) -> decayed steps timed
+        # Per request: tokens committed by plain steps since its draft last extended (its catch-up).
+        self.lag: dict[int, int] = {}
         self._reset_learning()
 
     def _reset_learning(self) -> None:
@@ -236,7 +255,17 @@ class TreeSizePolicy:
 
     def end_probe(self) -> None:
         self.forced = None
+        self.lag.clear()
         self._reset_learning()
+
+    def catch_up_tokens(self, rids: list[int], nodes: int) -> int:
+        """Tokens the draft must extend over before a step of `nodes` can draft for `rids` (0 for a
+        plain step: nothing is drafted, the tokens keep waiting)."""
+        return sum(self.lag.get(rid, 0) for rid in rids) if self.depth(nodes) else 0
+
+    def caught_up(self, rid: int) -> None:
+        """Request `rid`'s draft extended over all its tokens (its prompt, or a re-prefill)."""
+        self.lag.pop(rid, None)
 
     def depth(self, nodes: int) -> int:
         """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
@@ -277,8 +306,8 @@ class TreeSizePolicy:
         for n in (candidates[-1], candidates[0]):
             if self.costs.samples(n) == 0:  # no probe ran: measure the largest tree and the plain step first
                 return self._chosen(n)
-        rate = {n: self.expected_tokens(rids, n) / self.costs.predict(n, self.depth(n), batch, context_tokens)
-                for n in candidates}
+        rate = {n: self.expected_tokens(rids, n) / self.costs.predict(
+            n, self.depth(n), batch, context_tokens, self.catch_up_tokens(rids, n)) for n in candidates}
         best = max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
         # flat in between). One is re-measured only while it may still beat the best within its
@@ -322,8 +351,19 @@ class TreeSizePolicy:
                 for rid, a in zip(rids, accepted):
                     self.acceptance.observe(rid, depth, a)
                 self.drafted += len(rids)
+        catch_up = self.catch_up_tokens(rids, nodes)
+        for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
+            lag = self.lag.get(rid, 0) + 1 if depth == 0 else 0
+            if 0 < lag < MAX_DRAFT_LAG:
+                self.lag[rid] = lag
+            else:
+                self.lag.pop(rid, None)
         if self.adaptive and seconds is not None:
-            self.costs.observe(nodes, depth, len(rids), context_tokens, seconds)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("step of %d x %d nodes (catch-up %d): predicted %.1f ms, took %.1f ms", len(rids), nodes,
+                          catch_up, 1e3 * self.costs.predict(nodes, depth, len(rids), context_tokens, catch_up),
+                          1e3 * seconds)
+            self.costs.observe(nodes, depth, len(rids), context_tokens, seconds, catch_up)
             for key in self.measured:
                 self.measured[key] *= self.costs.fit.decay
             key = (nodes, *self._regime(len(rids), context_tokens))
@@ -332,3 +372,4 @@ class TreeSizePolicy:
 
     def forget(self, rid: int) -> None:
         self.acceptance.forget(rid)
+        self.lag.pop(rid, None)

@@ -2,9 +2,10 @@
 measured costs instead of measuring them on the first users' requests.
 
 For each probe shape (a batch of dummy prompts of some length), the dummy requests are prefilled,
-then every probed tree size runs `steps_per_size` timed decode steps (the full tree first, the plain
-step last, so no draft catch-up is in the timings); the policies' cost fits learn from them as from
-any step. The dummy requests are then aborted (their KV freed, nothing cached) and the policies
+then every probed tree size runs `steps_per_size` timed decode steps (the full tree first, then
+smaller ones down to the plain step, then one draft level again: its first step catches the draft up
+over the plain steps' tokens, the catch-up term's first sample); the policies' cost fits learn from
+them as from any step. The dummy requests are then aborted (their KV freed, nothing cached) and the policies
 forget the acceptance and choices the dummies taught: only the costs stay. Shapes that do not fit
 the engine (its running-request limit, KV pool or model length) shrink or are skipped.
 
@@ -41,14 +42,32 @@ class ProbeShape:
 DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(16, 64), ProbeShape(2, 1024))
 
 
+# Runs of the plain step before the last full tree: their tokens wait for the draft (a few per request,
+# so that the catch-up term's first sample stands out of a step's timing noise).
+PLAIN_RUNS = 4
+
+
 def probe_sizes(policy: TreeSizePolicy) -> list[int]:
-    """The full tree, one draft level and the plain step: the fit is linear in nodes and levels."""
-    return sorted({policy.tree_size, min(2, policy.tree_size), 1}, reverse=True)
+    """The probed sizes in order, each run for `steps_per_size` steps: the full tree, a tree of two
+    beam levels (4 nodes), one draft level (no beam level) and the plain step, which tell apart the
+    fit's per-row, per-drafted-request and per-level terms; the plain step `PLAIN_RUNS` times over, then
+    one draft level again, whose first step catches the draft up over the plain steps' tokens (the
+    cheapest tree, and one whose cost no `min_path_prob` cut of the levels varies)."""
+    sizes = sorted({policy.tree_size, min(4, policy.tree_size), min(2, policy.tree_size)}, reverse=True)
+    return sizes + [1] * PLAIN_RUNS + [min(2, policy.tree_size)]
+
+
+# Tokens in the cycle a dummy prompt repeats.
+DUMMY_CYCLE = 8
 
 
 def dummy_prompt(index: int, length: int, vocab_size: int) -> list[int]:
-    """A deterministic token sequence, distinct per request (no prefix sharing between dummies)."""
-    return [(7919 * (index + 1) + 104729 * t) % vocab_size for t in range(length)]
+    """A deterministic token sequence, distinct per request (no prefix sharing between dummies), that
+    repeats a short cycle: the draft then continues it confidently, so the probed trees run every
+    level and keep every node as users' trees do (`min_path_prob` cut the trees of unrepeating noise
+    short, and the fit learnt that trees were cheaper than they are)."""
+    cycle = [(7919 * (index + 1) + 104729 * t) % vocab_size for t in range(DUMMY_CYCLE)]
+    return [cycle[t % DUMMY_CYCLE] for t in range(length)]
 
 
 def probe_step_costs(scheduler, ranks: list[Scheduler], step: Callable[[], object], *,
@@ -60,10 +79,12 @@ def probe_step_costs(scheduler, ranks: list[Scheduler], step: Callable[[], objec
         return 0
     config = ranks[0].config
     sizes = probe_sizes(policies[0])
-    # Every probed step may accept a full chain; the dummies must not finish before the probe does.
-    new_tokens = 1 + steps_per_size * sum(policies[0].depth(n) + 1 for n in sizes)
+    # Every probed step may accept a full chain (the dummies' cycles are accepted), and a dummy whose
+    # prompt is in decodes a token at each step that prefills the others; none may finish early.
+    decoded = 1 + steps_per_size * sum(policies[0].depth(n) + 1 for n in sizes)
     timed = 0
     for shape in shapes:
+        new_tokens = decoded + 2 + shape.batch * shape.prompt_tokens // max(config.max_num_batched_tokens, 1)
         length = min(shape.prompt_tokens, config.max_model_len - new_tokens - 1)
         need = length + new_tokens + 2 * ranks[0].per_step_slots  # what a request is admitted against
         # At most half of each rank's pool, so the probe never preempts.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from actors.cost_model import MAX_DRAFT_LAG
 from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
 from actors.pass_rows import PassRows
@@ -281,8 +282,9 @@ class DraftRunner:
     # position, target hidden row) waits here under its KV slot; they are always the tail of their
     # request's committed slots. When the request is next drafted for, one prefill-shaped forward
     # catches its draft KV up over all of them (`_catch_up`); a request with `max_pending` waiting
-    # tokens is caught up at once, which bounds the memory they hold.
-    max_pending = 128
+    # tokens is caught up at once, which bounds the memory they hold. The tree-size policy counts the
+    # same waiting tokens (`TreeSizePolicy.lag`) and charges their catch-up to the tree that resumes.
+    max_pending = MAX_DRAFT_LAG
 
     def _pending_tail(self, slots: torch.Tensor, seq_len: int) -> list[int]:
         """The waiting tail of a request's committed `slots` (its first `seq_len`)."""

@@ -397,6 +397,7 @@ class Scheduler:
             if not request.output_ids:
                 request.num_verify_steps += 1
                 self._append(request, new_tokens[b], new_logprobs[b])
+            self.policy.caught_up(request.rid)  # the prefill extended its draft over every token
             self.running.append(request)
         self.draft_input = self.draft_input.merge(draft_input.filter(done))
         return [plan.requests[b] for b in done]
@@ -519,10 +520,10 @@ class Scheduler:
             out[i, : len(row)] = torch.tensor(row, dtype=dtype)
         return out
 
-    def _history(self, requests: list[Request]) -> torch.Tensor:
-        """(B, Lh) prompt + output per request, padded with -1, where a drafter or a penalty reads
-        it; else (B, 0)."""
-        if self.config.needs_history or any(r.params.uses_history for r in requests):
+    def _history(self, requests: list[Request], drafts: bool = True) -> torch.Tensor:
+        """(B, Lh) prompt + output per request, padded with -1, where a drafter (`drafts`: a step that
+        drafts; a plain step's drafter reads nothing) or a penalty reads it; else (B, 0)."""
+        if (drafts and self.config.needs_history) or any(r.params.uses_history for r in requests):
             return self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
         return torch.zeros((len(requests), 0), dtype=torch.long)
 
@@ -608,7 +609,7 @@ class Scheduler:
             prefill_tokens=torch.zeros((batch, 0), dtype=torch.long),
             prefill_slots=torch.zeros((batch, 0), dtype=torch.long),
             next_token=torch.full((batch,), -1, dtype=torch.long),
-            history=self._history(requests), **self._sampling_fields(requests),
+            history=self._history(requests, drafts=n > 1), **self._sampling_fields(requests),
         )
         scratch = self._alloc(batch * s).view(batch, s)
         try:
@@ -645,6 +646,8 @@ class Scheduler:
 
     def commit_resync(self, plan: "StepPlan", draft_input: DraftInput) -> None:
         self.draft_input = draft_input
+        for request in plan.requests:  # the re-prefill extended their drafts over every token
+            self.policy.caught_up(request.rid)
 
     def release_uncommitted(self) -> "StepPlan | None":
         """Undo the allocations of a planned step that failed (its runners died or raised):
