@@ -27,6 +27,17 @@ def _feed(policy: TreeSizePolicy, rids: list[int], context: int, cost, accept, s
         policy.observe(rids, context, nodes, cost(nodes, len(rids)), [accept(nodes)] * len(rids))
     return chosen
 
+def _probed(cost) -> TreeSizePolicy:
+    """A policy after the start-up probe's shapes (DEFAULT_SHAPES), each step costing
+    cost(nodes, batch, context) seconds."""
+    policy = _policy()
+    for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
+        for nodes in probe_sizes(policy):
+            policy.forced = nodes
+            _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
+    policy.end_probe()
+    return policy
+
 
 def _wider_accepts_more(nodes: int) -> int:
     """Accepted drafts of a tree of `nodes` (depth 3 at 4 nodes and more): every level of the full
@@ -245,12 +256,7 @@ def test_the_probe_predicts_long_context_steps_of_many_requests():
         levels = min(3, nodes - 1)
         return 0.030 + 0.0005 * batch * nodes + 0.002 * levels + 0.006 * levels * context / 1024
 
-    policy = _policy()
-    for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
-        for nodes in probe_sizes(policy):
-            policy.forced = nodes
-            _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
-    policy.end_probe()
+    policy = _probed(cost)
     for n in policy.buckets[1:]:
         predicted = policy.costs.predict(n, policy.depth(n), 16, 16 * 1536)
         assert abs(predicted / cost(n, 16, 16 * 1536) - 1) < 0.1, n
@@ -319,12 +325,7 @@ def test_the_probe_predicts_one_level_trees_apart_from_deeper_ones():
         drafted, levels = int(depth > 0), max(depth - 1, 0)
         return 0.030 + 0.0005 * batch * nodes + drafted * (0.002 + 0.004 * batch) + 0.001 * levels * batch
 
-    policy = _policy()
-    for batch, context in ((s.batch, s.batch * s.prompt_tokens) for s in DEFAULT_SHAPES):
-        for nodes in probe_sizes(policy):
-            policy.forced = nodes
-            _feed(policy, list(range(batch)), context, lambda n, b: cost(n, b, context), lambda n: 0, steps=2)
-    policy.end_probe()
+    policy = _probed(cost)
     for batch in (16, 64):
         for n in policy.buckets:
             predicted = policy.costs.predict(n, policy.depth(n), batch, batch * 300)
