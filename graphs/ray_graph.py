@@ -113,6 +113,10 @@ class RayEngine(Engine):
             self.scheduler = SchedulerActor.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=offset),
                 max_concurrency=1000,
+                # One torch thread: the scheduler's tensor ops are small, and an OpenMP team of its
+                # own spins after each one on the cores the runners compute on (make serve's bf16 tree
+                # steps ran 0.79x the local engine's with it, 0.96x without; docs/benchmarks.md).
+                runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}},
             ).remote(config, self._pg, offset)
             ray.get(self.scheduler.stats.remote())  # surfaces construction errors here
         except BaseException:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from graphs import EngineConfig, SamplingParams, build_graph
 from graphs.config import OMP_ENV
@@ -64,6 +65,9 @@ def test_lossless_through_the_compiled_graph(request, tiny_target, reference, al
         assert ray.get([a.__ray_call__.remote(lambda self: {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
                                                             if k in os.environ})
                         for a in actors]) == [OMP_ENV[OMP_POLICY.get(algorithm, "default")]] * len(actors)
+        # The scheduler actor keeps one torch thread: an OpenMP team of its own would spin on the
+        # cores the runners compute on after each of its small tensor ops.
+        assert ray.get(engine.scheduler.__ray_call__.remote(lambda self: torch.get_num_threads())) == 1
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
         # One request on dp ranks: the other ranks run idle inputs every step.
         assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == reference[0]
