@@ -114,7 +114,9 @@ def test_output_distribution_matches_target(models, algorithm, draft, topk, n, p
     engine = build_graph(EngineConfig(
         model=str(target), speculative_algorithm=None if algorithm == "NONE" else algorithm,
         draft_model=draft_path and str(draft_path), eagle_topk=topk, num_draft_tokens=n,
-        max_running_requests=400, kv_slots=32768,
+        # Fixed trees: the adaptive policy may decode 400 requests plainly (its choice follows measured
+        # step costs), and this test is about the distribution of accepted tokens.
+        max_running_requests=400, kv_slots=32768, adaptive_speculation=False,
     ))
     sched = engine.scheduler
     extra = PENALTIES if processors else {}
