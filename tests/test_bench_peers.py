@@ -44,3 +44,26 @@ def test_ours_serve_is_the_engine_make_serve_builds():
         if key not in ("model", "draft_model"):  # the bench passes the resolved folders
             assert getattr(ours, key) == value, key
     assert ours.draft_model == "/heads/eagle3"
+
+
+def test_each_level_runs_waves_over_several_prompts():
+    from bench.peers.compare import prompts_needed
+    from bench.peers.jobs import WARMUP_TOKENS, run_levels
+
+    prompts = [[i] for i in range(8)]
+    calls = []
+
+    def generate(batch, max_tokens):
+        calls.append(([p[0] for p in batch], max_tokens))
+        return [[7] * max_tokens for _ in batch]
+
+    job = {"prompts": prompts, "max_tokens": 5, "levels": [1, 4], "prompts_per_level": 3, "engine": "ours",
+           "config": "none", "dtype": "float32"}
+    levels = run_levels(job, generate)
+    measured = [batch for batch, n in calls if n == 5]
+    # batch 1 runs three prompts one after another; 4 at once runs one whole wave of 4
+    assert measured == [[0], [1], [2], [0, 1, 2, 3]]
+    assert [n for _, n in calls[:2]] == [WARMUP_TOKENS, WARMUP_TOKENS]
+    assert levels["1"]["tokens"] == 15 and levels["1"]["waves"] == 3
+    assert levels["4"]["tokens"] == 20 and levels["4"]["waves"] == 1
+    assert prompts_needed([1, 4], 3) == 4 and prompts_needed([1, 4, 16], 8) == 16 and prompts_needed([3], 4) == 6

@@ -83,6 +83,11 @@ def summarize(runs: list[dict], reference_ids: dict | None) -> dict:
     return {"levels": out, "load_s": [r["load_s"] for r in runs], "process_s": [r["process_s"] for r in runs]}
 
 
+def prompts_needed(levels: list[int], per_level: int) -> int:
+    """Level L runs whole waves of L prompts until at least `per_level` have run."""
+    return max(-(-max(lv, per_level) // lv) * lv for lv in levels)
+
+
 def max_model_len(needed: int) -> int:
     """The context vLLM is started with: a power of two from 1024, so that runs with other prompts
     or token counts hit the same AOT-compiled artifacts in vLLM's cache."""
@@ -93,8 +98,8 @@ def measure(args, pairs: list[tuple[str, str]], prompts: list[list[int]], folder
     """{dtype: {ENGINE:NAME: summary}}; a worker that fails or times out is noted in `failed`."""
     runs: dict[str, dict[str, list[dict]]] = {d: {f"{e}:{n}": [] for e, n in pairs} for d in args.dtypes}
     levels = args.levels
-    job_base = dict(model=str(folders["model"]), draft=str(folders["draft"]), prompts=prompts[: max(levels)],
-                    levels=levels, max_tokens=args.max_tokens,
+    job_base = dict(model=str(folders["model"]), draft=str(folders["draft"]), prompts=prompts,
+                    levels=levels, prompts_per_level=args.prompts, max_tokens=args.max_tokens,
                     kv_slots=kv_slots_for(prompts, max(levels), args.max_tokens),
                     max_model_len=max_model_len(max(len(p) for p in prompts) + args.max_tokens))
     for round_ in range(args.rounds):
@@ -167,6 +172,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
     p.add_argument("--rounds", type=int, default=None, help="rounds of every config (default 2)")
+    p.add_argument("--prompts", type=int, default=8,
+                   help="prompts each level runs at least, in waves of LEVEL at once (default 8: batch 1 "
+                        "averages 8 prompts one after another)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
     p.add_argument("--draft", default=DEFAULT_EAGLE3_DRAFT, help="EAGLE-3 head, for both engines")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
@@ -180,8 +188,8 @@ def parse_args(argv: list[str] | None):
             setattr(args, key, value)
     args.levels = [int(x) for x in str(args.levels).split(",") if x]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    if min(args.levels) < 1 or args.max_tokens < 1 or args.rounds < 1:
-        p.error("--levels, --max-tokens and --rounds must be positive")
+    if min(args.levels) < 1 or args.max_tokens < 1 or args.rounds < 1 or args.prompts < 1:
+        p.error("--levels, --max-tokens, --rounds and --prompts must be positive")
     if any(d not in ("float32", "bfloat16") for d in args.dtypes):
         p.error("--dtypes: float32 and/or bfloat16")
     return args
@@ -195,14 +203,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         print(f"[bench.peers] vllm {version} ready in {args.venv}", file=sys.stderr)
         return None
     folders = {"model": ModelSource.resolve(args.model).folder, "draft": ModelSource.resolve(args.draft).folder}
-    prompts = prompt_ids(folders["model"], max(args.levels))
+    prompts = prompt_ids(folders["model"], prompts_needed(args.levels, args.prompts))
     started = time.perf_counter()
     load_start = os.getloadavg()[0]
     failed: dict = {}
     results = measure(args, pairs, prompts, folders, failed)
     result = {
         "meta": {"model": args.model, "draft": args.draft, "vllm": version, "levels": args.levels,
-                 "max_tokens": args.max_tokens, "rounds": args.rounds, "dtypes": args.dtypes,
+                 "max_tokens": args.max_tokens, "rounds": args.rounds, "prompts_per_level": args.prompts, "dtypes": args.dtypes,
                  "prompts": f"train.data eval seed {EVAL_SEED}, chat-templated, "
                             f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens",
                  "cpu_count": os.cpu_count(), "load_avg_1m_start": round(load_start, 2),

@@ -28,21 +28,26 @@ def read_job(argv: list[str] | None = None) -> tuple[dict, str]:
 
 
 def run_levels(job: dict, generate: Callable[[list[list[int]], int], list[list[int]]]) -> dict:
-    """For each level L: the first L prompts submitted at once, greedy, `max_tokens` each with
-    EOS ignored. `generate(prompts, max_tokens)` returns each prompt's output ids. Every level is
-    warmed up first with a few tokens (an engine that compiles per batch shape does so there)."""
+    """For each level L: waves of L prompts submitted at once, one wave after another, over the
+    first max(L, job["prompts_per_level"]) prompts (so batch 1 averages several prompts, not the
+    first one's acceptance), greedy, `max_tokens` each with EOS ignored. `generate(prompts,
+    max_tokens)` returns each prompt's output ids. Every level is warmed up first with a few
+    tokens (an engine that compiles per batch shape does so there)."""
     prompts, max_tokens = job["prompts"], job["max_tokens"]
     for level in job["levels"]:
         generate(prompts[:level], WARMUP_TOKENS)
     levels = {}
     for level in job["levels"]:
-        start = time.perf_counter()
-        outs = generate(prompts[:level], max_tokens)
-        wall = time.perf_counter() - start
+        waves = -(-max(level, job["prompts_per_level"]) // level)
+        outs, wall = [], 0.0
+        for wave in range(waves):
+            start = time.perf_counter()
+            outs += generate(prompts[wave * level:(wave + 1) * level], max_tokens)
+            wall += time.perf_counter() - start
         tokens = sum(len(o) for o in outs)
         levels[str(level)] = {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-                              "token_ids": outs}
-        print(f"[bench.peers] {job['engine']}:{job['config']} {job['dtype']} {level:3d} at once: "
+                              "waves": waves, "token_ids": outs}
+        print(f"[bench.peers] {job['engine']}:{job['config']} {job['dtype']} {level:3d} at once x {waves}: "
               f"{tokens / wall:8.2f} tok/s", file=sys.stderr, flush=True)
     return levels
 
