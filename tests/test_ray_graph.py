@@ -218,3 +218,45 @@ def test_first_event_says_where_the_time_to_first_token_went(eagle3_engine):
     assert t["arrival"] <= t["step_started"] <= t["step_ended"]
     assert t["steps"] >= 1 and t["prompt_tokens"] == 4
     assert all("timing" not in e for e in rest)
+
+
+@ray.remote
+class _SlowEcho:
+    """A compiled-graph node that takes a while per step without using CPU, with sleeping,
+    ringing channel reads and writes as the runner actors install them."""
+
+    def __init__(self, max_sleep_s: float):
+        from actors import channel_wait
+
+        channel_wait.install(max_sleep_s)
+
+    def step(self, x):
+        time.sleep(0.05)
+        return x
+
+
+def test_graph_reads_sleep_until_the_writer_rings():
+    """A read waiting for a 50 ms step is woken by the writer's doorbell: it tries the channel
+    once or twice per value, where naps of at most 500 us try ~100 times (4 CPU ms of tries a
+    step, taken from the cores the runners compute on)."""
+    from ray.dag import InputNode
+
+    from actors import channel_wait
+
+    max_sleep_s = 500e-6
+    channel_wait.install(max_sleep_s)  # this process reads the graph's output, as the scheduler actor does
+    echo = _SlowEcho.remote(max_sleep_s)
+    ray.get(echo.__ray_ready__.remote())
+    with InputNode() as inp:
+        dag = echo.step.bind(inp)
+    compiled = dag.experimental_compile()
+    try:
+        assert compiled.execute(b"warm").get() == b"warm"
+        before = channel_wait.tries()
+        for i in range(10):
+            assert compiled.execute(i).get() == i
+        assert channel_wait.tries() - before <= 10 * 3
+    finally:
+        compiled.teardown()
+        channel_wait.install(0)
+        ray.kill(echo)
