@@ -16,8 +16,9 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
   tree that resumes drafting pays it, so a tree that only just beats plain decoding does not resume
   after a long stretch of plain steps). The user's `verify_budget` and `disable_by_batch_size` cap
   it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
-  measuring costs little: a rival size is re-measured only while its predicted rate, widened by its
-  uncertainty at this load (shrinking with the steps measured there), still reaches the best's, at
+  measuring costs little: a rival size is measured only when what one more step of it is expected to
+  teach (the knowledge gradient of its rate's uncertainty at this load, over the time the batch's
+  requests have left) outweighs what that step loses against the best (its catch-up included), at
   most once every `explore_every` steps, and less often the longer the best at this load holds.
 
 Plain classes; no timing is taken here (the scheduler reports each step's wall time).
@@ -41,14 +42,15 @@ _CONTEXT_UNIT = 1024.0
 # so one unlucky step cannot rule a tree size out for good; a step of 64 outweighs it).
 UNTRIED_SCALE = 0.75
 PRIOR_TOKENS = 4.0
-# Relative uncertainty of a size's predicted tokens per second in a load regime where it was never
-# measured; it shrinks as 1 / sqrt(1 + decayed steps measured there). A rival predicted further than
-# this below the best is not worth a measuring step.
+# Relative uncertainty of a size's predicted step cost in a load regime where it was never measured;
+# it shrinks as 1 / sqrt(1 + decayed steps measured there).
 UNCERTAINTY = 0.25
-# Relative uncertainty of the acceptance rates before any real request drafted (the start-up probe's
-# dummies teach costs only); it shrinks as 1 / sqrt(1 + request-steps of full trees, whose
-# acceptance the rates learn from).
+# Relative uncertainty of what a tree size's drafts are accepted before any real request drafted with it
+# (the start-up probe's dummies teach costs only); it shrinks as 1 / sqrt(1 + request-steps of that size).
 ACCEPTANCE_UNCERTAINTY = 1.0
+# Steps a load is assumed to last when the requests' remaining tokens are not given (`choose`): the
+# longest wait between measuring steps (`MAX_BACKOFF` x the default `explore_every`).
+DEFAULT_HORIZON = 256
 # Each measuring step that leaves a load's best size as it was doubles the wait before the next one
 # at that load, up to this many times `explore_every`; a new best there starts the wait over. A
 # settled choice (plain decoding at 64 requests, say) then spends almost nothing on rivals.
@@ -60,6 +62,17 @@ PLAIN_MARGIN = 0.03
 # Most tokens a request's draft leaves waiting behind plain steps (`actors.draft_runner`): at this
 # many the drafter catches it up during the plain step itself, which bounds the waiting inputs' memory.
 MAX_DRAFT_LAG = 128
+
+
+def knowledge_gradient(mean: float, spread: float) -> float:
+    """E[max(X, 1)] - max(mean, 1) for X ~ N(mean, spread^2): what one more measurement of a rival is
+    expected to add to the rate of the choice, relative to the bar the rival must clear, when its rate
+    relative to that bar is believed `mean` and the measurement would move that belief by `spread`
+    (standard deviation of the change). 0 where nothing can move."""
+    if spread <= 0.0:
+        return 0.0
+    z = -abs(mean - 1.0) / spread
+    return spread * (z * 0.5 * (1.0 + math.erf(z / math.sqrt(2.0))) + math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi))
 
 
 def size_buckets(tree_size: int) -> list[int]:
@@ -247,6 +260,7 @@ class TreeSizePolicy:
         self.predicted: dict[int, float] = {}
         self.step = 0
         self.drafted = 0  # request-steps of full trees (the acceptance rates' evidence)
+        self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at
         # Per load regime: the best size when last chosen, and the steps to wait before measuring a rival.
         self.best_at: dict[tuple[int, int], int] = {}
@@ -276,11 +290,14 @@ class TreeSizePolicy:
         """Batch sizes and mean contexts within a factor of two behave alike."""
         return int(math.log2(max(batch, 1))), int(math.log2(max(context_tokens // max(batch, 1), 1) / 64 + 1))
 
-    def uncertainty(self, nodes: int, batch: int, context_tokens: int) -> float:
-        """Relative uncertainty of `nodes`' predicted rate against another size's at this load: its cost
-        here and the acceptance rates (what a tree gains over a plain step)."""
-        cost = self.uncertainty_scale / math.sqrt(1.0 + self.measured.get((nodes, *self._regime(batch, context_tokens)), 0.0))
-        acceptance = ACCEPTANCE_UNCERTAINTY / math.sqrt(1.0 + self.drafted)
+    def uncertainty(self, nodes: int, batch: int, context_tokens: int, tokens: float, more: int = 0) -> float:
+        """Relative uncertainty of `nodes`' predicted rate at this load (expecting `tokens` a step), after
+        `more` further steps of it: its cost here (shrinking with the steps measured at this load) and
+        its acceptance (shrinking with the request-steps drafted at this size; none for a plain step)."""
+        measured = self.measured.get((nodes, *self._regime(batch, context_tokens)), 0.0) + more
+        cost = self.uncertainty_scale / math.sqrt(1.0 + measured)
+        gained = max(tokens - batch, 0.0) / max(tokens, 1e-9)  # the drafts' share of its tokens
+        acceptance = ACCEPTANCE_UNCERTAINTY * gained / math.sqrt(1.0 + self.evidence.get(nodes, 0) + more * batch)
         return math.hypot(cost, acceptance)
 
     def expected_tokens(self, rids: list[int], nodes: int) -> float:
@@ -293,8 +310,10 @@ class TreeSizePolicy:
         scale = min(2.0, (self.seen.get(nodes, 0.0) + prior) / (self.predicted.get(nodes, 0.0) + PRIOR_TOKENS))
         return sum(1.0 + min(depth, scale * self.acceptance.expected(rid, depth)) for rid in rids)
 
-    def choose(self, rids: list[int], context_tokens: int) -> int:
-        """This step's nodes per request for a batch of requests `rids` attending to `context_tokens`."""
+    def choose(self, rids: list[int], context_tokens: int, tokens_left: float | None = None) -> int:
+        """This step's nodes per request for a batch of requests `rids` attending to `context_tokens`;
+        `tokens_left`: the mean tokens its requests may still decode (how long this load may last, what
+        a measuring step can pay off over; None: `DEFAULT_HORIZON` steps)."""
         if self.forced is not None:
             return self._chosen(min(self.forced, self.tree_size))
         batch = len(rids)
@@ -306,28 +325,49 @@ class TreeSizePolicy:
         for n in (candidates[-1], candidates[0]):
             if self.costs.samples(n) == 0:  # no probe ran: measure the largest tree and the plain step first
                 return self._chosen(n)
-        rate = {n: self.expected_tokens(rids, n) / self.costs.predict(
-            n, self.depth(n), batch, context_tokens, self.catch_up_tokens(rids, n)) for n in candidates}
+        tokens = {n: self.expected_tokens(rids, n) for n in candidates}
+        cost = {n: self.costs.predict(n, self.depth(n), batch, context_tokens, self.catch_up_tokens(rids, n))
+                for n in candidates}
+        rate = {n: tokens[n] / cost[n] for n in candidates}
         best = max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
-        # flat in between). One is re-measured only while it may still beat the best within its
-        # uncertainty, and one rival at most every `explore_every` steps, then every 2, 4, ... times
-        # that while the best at this load stays the same (`MAX_BACKOFF`): measuring costs at most
-        # UNCERTAINTY / explore_every of throughput, and almost nothing once the choice is settled.
+        # flat in between), at most one measured every `explore_every` steps, then every 2, 4, ... times
+        # that while the best at this load stays the same (`MAX_BACKOFF`).
         i = candidates.index(best)
         rivals = {candidates[j] for j in (0, i - 1, i + 1, len(candidates) - 1) if 0 <= j < len(candidates)} - {best}
-        # Of the rivals still in reach, the one least measured at this load (then the likeliest): every
-        # rival in reach gets its turn rather than the top one alone.
         regime = self._regime(batch, context_tokens)
         if self.best_at.get(regime) != best:
             self.best_at[regime], self.wait[regime] = best, self.explore_every
         wait = self.wait.get(regime, self.explore_every)
-        in_reach = [r for r in rivals if rate[r] * (1.0 + self.uncertainty(r, batch, context_tokens)) >= rate[best]]
-        if in_reach and self.step - self.explored >= wait:
-            self.explored = self.step
-            self.wait[regime] = min(2 * wait, MAX_BACKOFF * self.explore_every)
-            return self._chosen(min(in_reach, key=lambda r: (self.measured.get((r, *regime), 0.0), -rate[r])))
+        if rivals and self.step - self.explored >= wait:
+            steps_left = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens[best]
+            value = {r: self._measuring_value(r, best, rids, context_tokens, tokens, cost, rate, steps_left)
+                     for r in rivals}
+            rival = max(value, key=value.get)
+            if value[rival] > 0.0:
+                self.explored = self.step
+                self.wait[regime] = min(2 * wait, MAX_BACKOFF * self.explore_every)
+                return self._chosen(rival)
         return self._chosen(best)
+
+    def _measuring_value(self, rival: int, best: int, rids: list[int], context_tokens: int, tokens: dict,
+                         cost: dict, rate: dict, steps_left: float) -> float:
+        """Seconds one measuring step of `rival` is expected to save: what it may teach (the knowledge
+        gradient of its rate, over the time the best would take for the `steps_left` steps left at this
+        load) less what it loses now (its seconds, the catch-up its draft needs first included, beyond
+        what the best takes for as many tokens). A tree that resumes drafting after a long run of plain
+        steps thus pays for its catch-up, and one measured late in the load has little left to win."""
+        batch = len(rids)
+        # Its rate once running (no catch-up), against the bar it must clear to be chosen.
+        steady = tokens[rival] / self.costs.predict(rival, self.depth(rival), batch, context_tokens)
+        bar = rate[best] * ((1.0 + PLAIN_MARGIN) if best == 1 else (1.0 / (1.0 + PLAIN_MARGIN)) if rival == 1 else 1.0)
+        mean = steady / bar
+        now = self.uncertainty(rival, batch, context_tokens, tokens[rival])
+        after = self.uncertainty(rival, batch, context_tokens, tokens[rival], more=1)
+        gain = knowledge_gradient(mean, mean * math.sqrt(max(now * now - after * after, 0.0)))
+        saved = steps_left * cost[best] * gain / (1.0 + gain)
+        lost = cost[rival] - tokens[rival] / rate[best]
+        return saved - lost
 
     def _chosen(self, nodes: int) -> int:
         self.stats.steps_by_size[nodes] = self.stats.steps_by_size.get(nodes, 0) + 1
@@ -351,6 +391,7 @@ class TreeSizePolicy:
                 for rid, a in zip(rids, accepted):
                     self.acceptance.observe(rid, depth, a)
                 self.drafted += len(rids)
+            self.evidence[nodes] = self.evidence.get(nodes, 0) + len(rids)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
             lag = self.lag.get(rid, 0) + 1 if depth == 0 else 0

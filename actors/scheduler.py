@@ -600,7 +600,8 @@ class Scheduler:
                 self._preempt_newest()
         requests = list(self.running) if rows is None else [self.running[i] for i in rows]
         batch = len(requests)
-        n = self.policy.choose([r.rid for r in requests], sum(r.seq_len for r in requests))
+        n = self.policy.choose([r.rid for r in requests], sum(r.seq_len for r in requests),
+                               sum(r.max_new_tokens - len(r.output_ids) for r in requests) / max(batch, 1))
         s = self.config.scratch_size if n > 1 else 0
         fields = dict(
             seq_lens=torch.tensor([r.seq_len for r in requests], dtype=torch.long),
