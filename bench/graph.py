@@ -74,7 +74,7 @@ def ray_key(placement: str, policy: str = "default") -> str:
 
 def variants(name: str, args) -> dict[str, EngineConfig]:
     """local, then ray/<placement> for each placement: the same engine on the same cores."""
-    base = {"model": args.model, "kv_slots": 8192, "max_running_requests": max(args.levels),
+    base = {"model": args.model, "dtype": args.dtype, "kv_slots": 8192, "max_running_requests": max(args.levels),
             **speculation(name, args.draft_eagle3)}
     local = EngineConfig(**base, num_threads=args.cores)
     draft_cpus = 1 if local.algorithm.needs_draft_model else 0
@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--draft-eagle3", default=DEFAULT_EAGLE3_DRAFT, help="the EAGLE-3 head of eagle3-tree")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
+    parser.add_argument("--dtype", default="float32", help="every engine's dtype (`make serve` runs bfloat16 where "
+                        "the CPU has native bf16)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--rounds", type=int, default=2, help="throughput runs per level and variant (median)")
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--omp-wait-policies: unknown policy {p!r} (known: {', '.join(OMP_WAIT_POLICIES)})")
     ray_variants = len(args.placements) * len(args.omp_wait_policies)  # alive at once, `--cores` CPUs each
     ray.init(address="local", num_cpus=max(8, args.cores * (1 + ray_variants)), include_dashboard=False, log_to_driver=False)
-    result = {"meta": {"model": args.model, "max_tokens": args.max_tokens, "cores": args.cores, "rounds": args.rounds,
+    result = {"meta": {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "cores": args.cores, "rounds": args.rounds,
                        "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),
                        "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
                        "command": " ".join(["python -m bench.graph", *sys.argv[1:]])},
