@@ -138,7 +138,7 @@ def install(max_sleep_s: float) -> None:
     single, buffered = shared_memory_channel.Channel, shared_memory_channel.BufferedSharedMemoryChannel
     originals = getattr(install, "originals", None) or (single.read, buffered.read, buffered.write)
     install.originals = originals
-    spinning_read, buffered_read, buffered_write = originals
+    spinning_read, _, buffered_write = originals
     if max_sleep_s <= 0:
         single.read, buffered.read, buffered.write = originals
         return

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.configs import kv_slots_for
-from bench.peers.jobs import CONFIGS
+from bench.peers.jobs import CONFIGS, waves
 from bench.peers.venv import DEFAULT_TORCH_WHEEL, DEFAULT_VENV, REPO_ROOT, ensure_vllm_venv, venv_python
 from graphs.engine import Engine
 from models.build import ModelSource, load_tokenizer
@@ -85,7 +85,7 @@ def summarize(runs: list[dict], reference_ids: dict | None) -> dict:
 
 def prompts_needed(levels: list[int], per_level: int) -> int:
     """Level L runs whole waves of L prompts until at least `per_level` have run."""
-    return max(-(-max(lv, per_level) // lv) * lv for lv in levels)
+    return max(waves(lv, per_level) * lv for lv in levels)
 
 
 def max_model_len(needed: int) -> int:

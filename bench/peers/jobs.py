@@ -27,6 +27,11 @@ def read_job(argv: list[str] | None = None) -> tuple[dict, str]:
         return json.load(f), out_path
 
 
+def waves(level: int, per_level: int) -> int:
+    """How many waves of `level` prompts at once a level runs: enough for `per_level` prompts."""
+    return -(-max(level, per_level) // level)
+
+
 def run_levels(job: dict, generate: Callable[[list[list[int]], int], list[list[int]]]) -> dict:
     """For each level L: waves of L prompts submitted at once, one wave after another, over the
     first max(L, job["prompts_per_level"]) prompts (so batch 1 averages several prompts, not the
@@ -38,16 +43,16 @@ def run_levels(job: dict, generate: Callable[[list[list[int]], int], list[list[i
         generate(prompts[:level], WARMUP_TOKENS)
     levels = {}
     for level in job["levels"]:
-        waves = -(-max(level, job["prompts_per_level"]) // level)
+        count = waves(level, job["prompts_per_level"])
         outs, wall = [], 0.0
-        for wave in range(waves):
+        for wave in range(count):
             start = time.perf_counter()
             outs += generate(prompts[wave * level:(wave + 1) * level], max_tokens)
             wall += time.perf_counter() - start
         tokens = sum(len(o) for o in outs)
         levels[str(level)] = {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-                              "waves": waves, "token_ids": outs}
-        print(f"[bench.peers] {job['engine']}:{job['config']} {job['dtype']} {level:3d} at once x {waves}: "
+                              "waves": count, "token_ids": outs}
+        print(f"[bench.peers] {job['engine']}:{job['config']} {job['dtype']} {level:3d} at once x {count}: "
               f"{tokens / wall:8.2f} tok/s", file=sys.stderr, flush=True)
     return levels
 
