@@ -6,9 +6,9 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
 * `StepCostModel`: step seconds, a decayed least-squares fit linear in the verify rows, the context
   they attend to, the draft's passes, the batch and the draft's catch-up (what a verify row, a draft
   level and a caught-up token cost at this load, measured from the steps the engine runs).
-* `AcceptanceModel`: per request and draft depth, the decayed rate at which that depth's token is
-  accepted given the one before it was, learnt from full-tree steps; new requests start from the
-  batch-wide rates. Each smaller size scales them by its own measured correction.
+* `AcceptanceModel`: per draft depth, the decayed rate at which the full tree's token there is
+  accepted given the one before it was; per smaller size, what it keeps of that; per request, its
+  level against both, learnt from its drafting steps of any size.
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step), a tree's cost including the catch-up its draft needs first
@@ -36,12 +36,15 @@ log = logging.getLogger(__name__)
 
 # Context tokens are fitted in thousands, so the features have comparable scales.
 _CONTEXT_UNIT = 1024.0
-# What a tree smaller than the full one is assumed to keep of the acceptance the per-depth rates
-# promise before it is measured (its fewer nodes per depth catch fewer target tokens), and how many
-# promised tokens that assumption weighs against measured ones (a step of one request promises ~2,
-# so one unlucky step cannot rule a tree size out for good; a step of 64 outweighs it).
+# What a tree smaller than the full one is assumed to keep of the full tree's acceptance before it is
+# measured (its fewer nodes per depth catch fewer target tokens), and how many predicted draft tokens
+# that assumption weighs against measured ones (a step of one request predicts ~2, so one unlucky step
+# cannot rule a tree size out for good; a step of 64 outweighs it).
 UNTRIED_SCALE = 0.75
 PRIOR_TOKENS = 4.0
+# How many predicted draft tokens a request's level starts out agreeing with the batch's: about one
+# step's, so that its own first steps, of whatever size, soon tell a request that drafts well (or badly).
+REQUEST_PRIOR_TOKENS = 1.0
 # Relative uncertainty of a size's predicted step cost in a load regime where it was never measured;
 # it shrinks as 1 / sqrt(1 + decayed steps measured there).
 UNCERTAINTY = 0.25
@@ -186,38 +189,75 @@ class StepCostModel:
 
 
 class AcceptanceModel:
-    """Per request, the decayed rate q_d at which the depth-d draft token is accepted once depth d - 1
-    was (d = 1..max_depth); a new request starts from the rates of all requests. Expected accepted
-    tokens of a tree reaching depth D: sum_{d<=D} prod_{j<=d} q_j."""
+    """What drafts are accepted, as three factors each step of any size teaches:
 
-    def __init__(self, max_depth: int, decay: float = 0.8, prior: float = 0.5):
-        self.max_depth, self.decay = max_depth, decay
-        self.overall = [prior] * max_depth
-        self.per_request: dict[int, list[float]] = {}
+    * q_d, the decayed rate at which the full tree's depth-d draft token is accepted once depth d - 1
+      was, over all requests (learnt from full-tree steps);
+    * per smaller tree size n, g_n: what it accepts relative to the full tree for the same request
+      (fewer candidates per depth catch fewer target tokens), decayed over all requests, starting
+      from `untried_scale`;
+    * per request, m_r: its accepted draft tokens over what the other two factors predicted, decayed,
+      from its drafting steps of any size, starting from agreement.
 
-    def rates(self, rid: int) -> list[float]:
-        return self.per_request.get(rid, self.overall)
+    Expected accepted tokens of request r at size n reaching depth D: m_r g_n sum_{d<=D} prod_{j<=d} q_j.
+    A request's level is learnt from whatever size it runs: with the per-request rates taught by
+    full-tree steps alone, a batch of one after a low-acceptance request ran 2-5-node trees for every
+    later prompt, whose full trees would have paid (their acceptance never reached the full tree's
+    prediction)."""
 
-    def observe(self, rid: int, drafted_depth: int, accepted: int) -> None:
-        """One verify step of request `rid`: its tree reached `drafted_depth`, `accepted` tokens were
-        accepted. Depths past the first rejection say nothing (they were not reached)."""
-        if drafted_depth <= 0:
-            return
-        own = self.per_request.setdefault(rid, list(self.overall))
-        for rates, decay in ((own, self.decay), (self.overall, 1.0 - (1.0 - self.decay) / 4)):
-            for d in range(min(accepted + 1, drafted_depth)):
-                rates[d] = decay * rates[d] + (1.0 - decay) * (1.0 if d < accepted else 0.0)
+    def __init__(self, full_size: int, max_depth: int, decay: float = 0.95, request_decay: float = 0.8,
+                 size_decay: float = 0.9, prior: float = 0.5, untried_scale: float = UNTRIED_SCALE,
+                 prior_tokens: float = PRIOR_TOKENS, request_prior_tokens: float = REQUEST_PRIOR_TOKENS):
+        self.full_size = full_size
+        self.decay, self.request_decay, self.size_decay = decay, request_decay, size_decay
+        self.untried_scale, self.prior_tokens = untried_scale, prior_tokens
+        self.request_prior_tokens = request_prior_tokens
+        self.rates = [prior] * max_depth  # q_d of the full tree
+        self.size_sums: dict[int, tuple[float, float]] = {}  # n -> decayed (accepted, predicted by m_r q)
+        self.request_sums: dict[int, tuple[float, float]] = {}  # rid -> decayed (accepted, predicted by g_n q)
 
-    def expected(self, rid: int, depth: int) -> float:
-        """Expected accepted draft tokens of a tree of `depth` levels."""
+    def full_tree(self, depth: int) -> float:
+        """sum_{d<=depth} prod_{j<=d} q_j: the full tree's expected accepted tokens for a typical request."""
         total, reach = 0.0, 1.0
-        for q in self.rates(rid)[:depth]:
+        for q in self.rates[:depth]:
             reach *= q
             total += reach
         return total
 
+    def size_factor(self, nodes: int) -> float:
+        """g_n (1 for the full tree); clamped: a ratio of few samples must not promise more than twice."""
+        if nodes == self.full_size:
+            return 1.0
+        seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
+        return min(2.0, (seen + self.untried_scale * self.prior_tokens) / (predicted + self.prior_tokens))
+
+    def multiplier(self, rid: int) -> float:
+        seen, predicted = self.request_sums.get(rid, (0.0, 0.0))
+        return (seen + self.request_prior_tokens) / (predicted + self.request_prior_tokens)
+
+    def expected(self, rid: int, nodes: int, depth: int) -> float:
+        """Expected accepted draft tokens of request `rid` verifying a tree of `nodes` reaching `depth`."""
+        return min(float(depth), self.multiplier(rid) * self.size_factor(nodes) * self.full_tree(depth))
+
+    def observe(self, rids: list[int], nodes: int, drafted_depth: int, accepted: list[int]) -> None:
+        """One verify step of a tree of `nodes` reaching `drafted_depth` for each of `rids`, which accepted
+        `accepted[b]` draft tokens. The full tree's depths past a first rejection say nothing."""
+        if drafted_depth <= 0:
+            return
+        base, factor = self.full_tree(drafted_depth), self.size_factor(nodes)
+        if nodes != self.full_size:
+            seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
+            levels = sum(self.multiplier(rid) for rid in rids) * base
+            self.size_sums[nodes] = (self.size_decay * seen + sum(accepted), self.size_decay * predicted + levels)
+        for rid, a in zip(rids, accepted):
+            seen, predicted = self.request_sums.get(rid, (0.0, 0.0))
+            self.request_sums[rid] = (self.request_decay * seen + a, self.request_decay * predicted + factor * base)
+            if nodes == self.full_size:
+                for d in range(min(a + 1, drafted_depth)):
+                    self.rates[d] = self.decay * self.rates[d] + (1.0 - self.decay) * (1.0 if d < a else 0.0)
+
     def forget(self, rid: int) -> None:
-        self.per_request.pop(rid, None)
+        self.request_sums.pop(rid, None)
 
 
 @dataclass
@@ -253,13 +293,8 @@ class TreeSizePolicy:
 
     def _reset_learning(self) -> None:
         """Forget acceptance and choices (what the probe's dummy requests taught); costs stay."""
-        self.acceptance = AcceptanceModel(max(self.draft_depth, 1))
-        # Correction per bucket: accepted tokens seen over those predicted, decayed sums (a small tree
-        # of a wide draft accepts less per depth than the rates, mostly measured on full trees, say).
-        self.seen: dict[int, float] = {}
-        self.predicted: dict[int, float] = {}
+        self.acceptance = AcceptanceModel(self.tree_size, max(self.draft_depth, 1))
         self.step = 0
-        self.drafted = 0  # request-steps of full trees (the acceptance rates' evidence)
         self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at
         # Per load regime: the best size when last chosen, and the steps to wait before measuring a rival.
@@ -305,10 +340,7 @@ class TreeSizePolicy:
         depth = self.depth(nodes)
         if depth == 0:
             return float(len(rids))
-        # Clamped: a ratio of few samples must not promise more than every level accepted.
-        prior = PRIOR_TOKENS * (1.0 if nodes == self.tree_size else UNTRIED_SCALE)
-        scale = min(2.0, (self.seen.get(nodes, 0.0) + prior) / (self.predicted.get(nodes, 0.0) + PRIOR_TOKENS))
-        return sum(1.0 + min(depth, scale * self.acceptance.expected(rid, depth)) for rid in rids)
+        return sum(1.0 + self.acceptance.expected(rid, nodes, depth) for rid in rids)
 
     def choose(self, rids: list[int], context_tokens: int, tokens_left: float | None = None) -> int:
         """This step's nodes per request for a batch of requests `rids` attending to `context_tokens`;
@@ -380,17 +412,7 @@ class TreeSizePolicy:
         request accepted `accepted[b]` draft tokens."""
         depth = self.depth(nodes)
         if depth:
-            predicted = sum(self.acceptance.expected(rid, depth) for rid in rids)
-            self.seen[nodes] = 0.9 * self.seen.get(nodes, 0.0) + sum(accepted)
-            self.predicted[nodes] = 0.9 * self.predicted.get(nodes, 0.0) + max(predicted, 1e-3)
-            # The per-depth rates are the full tree's: a smaller tree has fewer candidates per depth
-            # and accepts less at each, which would drag the full tree's prediction down with it
-            # (bench.concurrency at 2 requests drifted to 2-node trees so). Smaller sizes are scaled
-            # from these rates by their own measured correction (seen / predicted).
-            if nodes == self.tree_size:
-                for rid, a in zip(rids, accepted):
-                    self.acceptance.observe(rid, depth, a)
-                self.drafted += len(rids)
+            self.acceptance.observe(rids, nodes, depth, accepted)
             self.evidence[nodes] = self.evidence.get(nodes, 0) + len(rids)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
@@ -409,7 +431,7 @@ class TreeSizePolicy:
                 self.measured[key] *= self.costs.fit.decay
             key = (nodes, *self._regime(len(rids), context_tokens))
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
-        self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.overall[: self.draft_depth]]
+        self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.rates[: self.draft_depth]]
 
     def forget(self, rid: int) -> None:
         self.acceptance.forget(rid)
