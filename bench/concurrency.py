@@ -20,11 +20,12 @@ holds the decode steps per tree size the engine chose (`tree_sizes`) and this pr
 milliseconds per output token (`cpu_ms_per_token`, local backend: every thread of the engine) with
 its ratio to `none`'s (`cpu_ratio`), which a loaded machine distorts far less than wall time. Engines are built (and their
 start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick subset:
-`--levels 1,16 --prompts short --dtypes float32 --max-tokens 32 --repeats 1`; the issue's full run
-(about 45-60 minutes on a quiet 2-core CPU): `--levels 1,2,4,8,16,32,64 --prompts short,long
---dtypes float32,bfloat16 --configs serve,serve+fixed/16 --max-tokens 64 --repeats 2 --plot`, or
-with `--repeats 1` in about half that (configs still interleaved at every level; most of the time
-is the long prompts' prefills, the same for every config).
+`--levels 1,16 --prompts short --dtypes float32 --max-tokens 32 --repeats 1`; the issue's full run:
+`--levels 1,2,4,8,16,32,64 --prompts short,long --dtypes float32,bfloat16 --configs serve,serve+fixed/16
+--max-tokens 64 --repeats 2 --plot`. Every engine's KV pool holds the largest level of the longest
+prompt at once, so that run's six engines want ~24 GB for 64 long prompts; on a 24 GB machine run the
+short prompts at every level and the long ones up to 16 as two commands (9 and 7 minutes on the
+2-core CPU, docs/benchmarks.md "Session 11").
 """
 
 from __future__ import annotations
