@@ -42,9 +42,12 @@ _CONTEXT_UNIT = 1024.0
 # cannot rule a tree size out for good; a step of 64 outweighs it).
 UNTRIED_SCALE = 0.75
 PRIOR_TOKENS = 4.0
-# How many predicted draft tokens a request's level starts out agreeing with the batch's: about one
-# step's, so that its own first steps, of whatever size, soon tell a request that drafts well (or badly).
-REQUEST_PRIOR_TOKENS = 1.0
+# How many predicted draft tokens a request's level keeps agreeing with the batch's: a few steps'. A
+# step's accepted count is noisy (0-3 drafts where ~1 is expected); at one token, two unlucky small trees
+# halved a request's level, which then ruled out the full tree for its batch, and the plain steps that
+# followed taught it nothing more (simulated 1-2 requests: 0.83-0.92x the full tree's speed; a prior that
+# fades with the request's decay did no better). Its own steps still move it within a few steps.
+REQUEST_PRIOR_TOKENS = 4.0
 # Relative uncertainty of a size's predicted step cost in a load regime where it was never measured;
 # it shrinks as 1 / sqrt(1 + decayed steps measured there).
 UNCERTAINTY = 0.25

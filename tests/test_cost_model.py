@@ -63,7 +63,7 @@ def test_linear_fit_recovers_a_line():
 
 
 def test_acceptance_model_is_per_request_and_decayed():
-    model = AcceptanceModel(full_size=8, max_depth=3, decay=0.5, request_decay=0.5)
+    model = AcceptanceModel(full_size=8, max_depth=3, decay=0.5, request_decay=0.5, request_prior_tokens=1.0)
     for _ in range(10):
         model.observe([1, 2], 8, drafted_depth=3, accepted=[3, 0])  # 1 accepts everything, 2 nothing
     assert model.expected(1, 8, 3) > 3 * model.expected(2, 8, 3)
@@ -87,7 +87,7 @@ def test_a_requests_small_trees_tell_what_its_full_tree_would_accept():
     before = model.expected(2, 8, 3)
     for _ in range(6):
         model.observe([2], 4, drafted_depth=3, accepted=[2])
-    assert model.expected(2, 8, 3) > 3 * before
+    assert model.expected(2, 8, 3) > 2 * before  # 2.3x (a level taught by full trees alone: 1x)
     assert model.expected(3, 8, 3) == pytest.approx(before)  # another new request is not credited with it
 
 
@@ -408,6 +408,29 @@ def _measured_bf16_batch1_step(nodes: int, batch: int, catch_up: int) -> float:
     3-4-node tree ~47, the 8-node tree ~53), 0.14 ms a catch-up token."""
     depth = min(3, nodes - 1)
     return 0.041 + 0.0008 * nodes + (depth > 0) * 0.005 + 0.0015 * max(depth - 1, 0) + 0.00014 * catch_up
+
+
+@pytest.mark.parametrize("batch,accept_p,at_least", [(1, 0.5, 0.95), (2, 0.7, 0.95), (2, 0.5, 0.9)])
+def test_a_few_requests_keep_the_full_tree_through_unlucky_steps(batch, accept_p, at_least):
+    """1-2 requests at a time whose full tree pays (fp32 step costs of `make serve`; each depth accepted
+    with probability accept_p, less at smaller trees): a request's first small trees are often all
+    rejected by chance, and with its level taken at one predicted token of prior agreement the policy
+    ran plain steps for the rest of it (adaptive / fixed full tree 0.83x at 1 request, 0.92x and 0.85x
+    at 2; now 0.97x, 0.97x and 0.92x)."""
+    def accept(rng, wave, nodes):
+        depth, accepted = min(3, nodes - 1), 0
+        q = accept_p * (1.0 if nodes == 8 else 0.5 + 0.05 * nodes)
+        while accepted < depth and rng.random() < q:
+            accepted += 1
+        return accepted
+
+    def tokens_per_s(policy, seed):
+        return 1.0 / _serve_waves(policy, batch, 4, 64, _measured_cpu_step, accept, seed)[0]
+
+    probe_cost = lambda nodes, batch, context: _measured_cpu_step(nodes, batch, 0)  # noqa: E731
+    adaptive = sum(tokens_per_s(_probed(probe_cost), seed) for seed in range(6))
+    fixed = sum(tokens_per_s(_policy(adaptive=False), seed) for seed in range(6))
+    assert adaptive / fixed >= at_least
 
 
 def test_one_request_at_a_time_gets_the_full_tree_after_a_poor_one():
