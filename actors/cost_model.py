@@ -216,13 +216,14 @@ class AcceptanceModel:
         self.untried_scale, self.prior_tokens = untried_scale, prior_tokens
         self.request_prior_tokens = request_prior_tokens
         self.prior = prior
-        # q_d of the full tree: decayed (accepted, reached) counts at each depth over its steps' requests
+        # q_d of the full tree: decayed (accepted, reached) counts at each depth over its steps' requests,
+        # and the rates they give (kept: every prediction of every step reads them)
         self.depth_sums = [(0.0, 0.0)] * max_depth
+        self.rates = self._rates()
         self.size_sums: dict[int, tuple[float, float]] = {}  # n -> decayed (accepted, predicted by m_r q)
         self.request_sums: dict[int, tuple[float, float]] = {}  # rid -> decayed (accepted, predicted by g_n q)
 
-    @property
-    def rates(self) -> list[float]:
+    def _rates(self) -> list[float]:
         """q_d: at each depth, accepted over reached, from `PRIOR_TOKENS` reaches at the prior. A running
         rate that moved 5% a step kept ~60% of its prior after ten full trees, so a draft better than the
         prior looked worse at the full tree than at the small trees that ran meanwhile."""
@@ -270,6 +271,7 @@ class AcceptanceModel:
                                 self.decay * reached + sum(a >= d for a in accepted))
                                if d < drafted_depth else (seen, reached)
                                for d, (seen, reached) in enumerate(self.depth_sums)]
+            self.rates = self._rates()
 
     def forget(self, rid: int) -> None:
         self.request_sums.pop(rid, None)
