@@ -435,6 +435,29 @@ def _measured_bf16_batch1_step(nodes: int, batch: int, catch_up: int) -> float:
     return 0.041 + 0.0008 * nodes + (depth > 0) * 0.005 + 0.0015 * max(depth - 1, 0) + 0.00014 * catch_up
 
 
+def _accept_by_depth(accept_p):
+    """A draw for `_serve_waves`: request `wave`'s drafts, each depth accepted with probability
+    accept_p(wave) at the full tree, less at smaller trees (fewer candidates per depth)."""
+    def accept(rng, wave, nodes):
+        depth, accepted = min(3, nodes - 1), 0
+        q = accept_p(wave) * (1.0 if nodes == 8 else 0.5 + 0.05 * nodes)
+        while accepted < depth and rng.random() < q:
+            accepted += 1
+        return accepted
+    return accept
+
+
+def _adaptive_over_fixed(batch: int, waves: int, cost, accept, seeds: int) -> float:
+    """Tokens per second of the probed adaptive policy over the fixed full tree's, summed over seeds."""
+    def tokens_per_s(policy, seed):
+        return 1.0 / _serve_waves(policy, batch, waves, 64, cost, accept, seed)[0]
+
+    probe_cost = lambda nodes, batch, context: cost(nodes, batch, 0)  # noqa: E731
+    adaptive = sum(tokens_per_s(_probed(probe_cost), seed) for seed in range(seeds))
+    fixed = sum(tokens_per_s(_policy(adaptive=False), seed) for seed in range(seeds))
+    return adaptive / fixed
+
+
 @pytest.mark.parametrize("batch,accept_p,at_least", [(1, 0.5, 0.95), (2, 0.7, 0.93), (2, 0.5, 0.87)])
 def test_a_few_requests_keep_the_full_tree_through_unlucky_steps(batch, accept_p, at_least):
     """1-2 requests at a time whose full tree pays (fp32 step costs of `make serve`; each depth accepted
@@ -442,20 +465,8 @@ def test_a_few_requests_keep_the_full_tree_through_unlucky_steps(batch, accept_p
     rejected by chance, and with its level taken at one predicted token of prior agreement the policy
     ran plain steps for the rest of it (adaptive / fixed full tree 0.83x at 1 request, 0.92x and 0.85x
     at 2; now 0.99x, 0.94x and 0.89x)."""
-    def accept(rng, wave, nodes):
-        depth, accepted = min(3, nodes - 1), 0
-        q = accept_p * (1.0 if nodes == 8 else 0.5 + 0.05 * nodes)
-        while accepted < depth and rng.random() < q:
-            accepted += 1
-        return accepted
-
-    def tokens_per_s(policy, seed):
-        return 1.0 / _serve_waves(policy, batch, 4, 64, _measured_cpu_step, accept, seed)[0]
-
-    probe_cost = lambda nodes, batch, context: _measured_cpu_step(nodes, batch, 0)  # noqa: E731
-    adaptive = sum(tokens_per_s(_probed(probe_cost), seed) for seed in range(6))
-    fixed = sum(tokens_per_s(_policy(adaptive=False), seed) for seed in range(6))
-    assert adaptive / fixed >= at_least
+    accept = _accept_by_depth(lambda wave: accept_p)
+    assert _adaptive_over_fixed(batch, 4, _measured_cpu_step, accept, seeds=6) >= at_least
 
 
 def test_one_request_at_a_time_gets_the_full_tree_after_a_poor_one():
@@ -463,20 +474,5 @@ def test_one_request_at_a_time_gets_the_full_tree_after_a_poor_one():
     adaptive policy runs about as fast as always verifying the full tree (with a request's level learnt
     from full-tree steps alone it settled on 3-5-node trees after the first prompt: 0.87x)."""
     accept_p = [0.35, 0.75, 0.7, 0.8, 0.65, 0.75, 0.7, 0.8]
-
-    def accept(rng, wave, nodes):
-        """Request `wave`'s drafts, each depth accepted with probability accept_p[wave] at the full tree,
-        less at smaller trees (fewer candidates per depth)."""
-        depth, accepted = min(3, nodes - 1), 0
-        q = accept_p[wave] * (1.0 if nodes == 8 else 0.5 + 0.05 * nodes)
-        while accepted < depth and rng.random() < q:
-            accepted += 1
-        return accepted
-
-    def tokens_per_s(policy, seed):
-        return 1.0 / _serve_waves(policy, 1, len(accept_p), 64, _measured_bf16_batch1_step, accept, seed)[0]
-
-    probe_cost = lambda nodes, batch, context: _measured_bf16_batch1_step(nodes, batch, 0)  # noqa: E731
-    adaptive = sum(tokens_per_s(_probed(probe_cost), seed) for seed in range(5))
-    fixed = sum(tokens_per_s(_policy(adaptive=False), seed) for seed in range(5))
-    assert adaptive / fixed >= 0.96
+    accept = _accept_by_depth(lambda wave: accept_p[wave])
+    assert _adaptive_over_fixed(1, len(accept_p), _measured_bf16_batch1_step, accept, seeds=5) >= 0.96
