@@ -6,15 +6,17 @@ at every load while keeping the fixed constants' gain at small batches.
         [--dtypes float32,bfloat16] [--configs serve,serve+fixed/16] [--plot]
 
 Each level submits that many prompts at once, greedy, `ignore_eos` so the batch stays full for all
-`--max-tokens` steps. Prompts: `short`, held-out self-written ones (`train.data.EVAL_SEED`, never
+`--max-tokens` steps, in waves of distinct prompts until `--prompts-per-level` have run (batch 1 is
+eight prompts one at a time by default: one prompt's acceptance decided a batch-1 figure before).
+Prompts: `short`, held-out self-written ones (`train.data.EVAL_SEED`, never
 Spec-Bench, so a cutoff picked from this run is not tuned on the evaluation set); `long`, the
 Spec-Bench summarization and RAG questions (long contexts, where verify rows cost the most;
 `--questions`). Configs are those of `bench.configs`: `NAME+fixed/B@N` is NAME with full trees every
 step (no adaptive choice), `verify_budget=B` and `disable_by_batch_size=N` (each part optional);
 `serve` is the `make serve` config, `serve+fixed/16` what it ran before adaptive speculation. Every
-config is loaded first in every dtype, and at each level they take turns (every prompt set, dtype
-and config, `--repeats` rounds), so load from other processes hits them alike: compare ratios
-within one run. Output tokens must equal `none`'s in the same dtype (greedy speculation is
+config is loaded first in every dtype, and at each level they take turns on every wave (every prompt
+set, dtype and config, `--repeats` rounds), in an order reversed every other turn, so load from other
+processes and the machine's drift hit them alike: compare ratios within one run. Output tokens must equal `none`'s in the same dtype (greedy speculation is
 lossless); differing requests are counted. Results are grouped "PROMPTS-DTYPE"; each entry also
 holds the decode steps per tree size the engine chose (`tree_sizes`) and this process's CPU
 milliseconds per output token (`cpu_ms_per_token`, local backend: every thread of the engine) with
@@ -77,12 +79,26 @@ def tree_sizes(engine) -> dict[int, int]:
     return {int(k): n for k, n in ray.get(engine.scheduler.stats.remote())["steps_by_tree_size"].items()}
 
 
+def waves(level: int, prompts_per_level: int) -> int:
+    """Waves of `level` prompts at once a level runs: enough for `prompts_per_level` prompts, so batch 1
+    is not one prompt's acceptance."""
+    return max(1, math.ceil(prompts_per_level / level))
+
+
+def turn_order(keys: list, turn: int) -> list:
+    """The order configs run in on `turn`: reversed every other turn (A B C, C B A, ...), so a machine
+    that speeds up or slows down over a level's turns hits every config alike."""
+    return list(keys) if turn % 2 == 0 else list(reversed(keys))
+
+
 def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
-            repeats: int) -> dict:
+            repeats: int, prompts_per_level: int = 1) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
-    tree_sizes}}}}. `configs`: {(dtype, name): EngineConfig}. At each level every prompt set, dtype and
-    config take turns for `repeats` rounds; tokens/s is total tokens over total wall time, speedup is
-    over `none` in the same dtype and prompts."""
+    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `waves` of that many
+    distinct prompts at once (`prompts_per_level` in all, at least); every wave of every repeat, each
+    prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
+    time, speedup is over `none` in the same dtype and prompts; each run's tokens are checked against
+    `none`'s run of the same prompts."""
     engines = {}
     try:
         for key, cfg in configs.items():
@@ -91,10 +107,14 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
         results: dict[str, dict] = {}
         for level in levels:
             runs = {(kind, *key): [] for kind in prompt_sets for key in engines}
+            turn = 0
             for _ in range(repeats):
-                for kind, conversations in prompt_sets.items():
-                    for key, engine in engines.items():
-                        runs[(kind, *key)].append(run_level(engine, conversations[:level], max_tokens))
+                for wave in range(waves(level, prompts_per_level)):
+                    for kind, conversations in prompt_sets.items():
+                        for key in turn_order(list(engines), turn):
+                            batch = conversations[wave * level:(wave + 1) * level]
+                            runs[(kind, *key)].append(run_level(engines[key], batch, max_tokens))
+                        turn += 1
             for (kind, dtype, name), rs in runs.items():
                 reference = runs[(kind, dtype, REFERENCE)]
                 tps = lambda r: sum(x["tokens"] for x in r) / sum(x["wall_s"] for x in r)  # noqa: E731
@@ -108,9 +128,11 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
                          "cpu_ms_per_token": 1e3 * cpu_per_token(rs),
                          "cpu_ratio": cpu_per_token(rs) / cpu_per_token(reference),
                          "acceptance_length": sum(r["tokens"] for r in rs) / max(1, sum(r["steps"] for r in rs)),
-                         "mismatches": sum(a != b for r in rs for a, b in zip(r["token_ids"], reference[0]["token_ids"]))}
+                         "mismatches": sum(a != b for r, ref in zip(rs, reference)
+                                           for a, b in zip(r["token_ids"], ref["token_ids"]))}
                 group = results.setdefault(f"{kind}-{dtype}", {}).setdefault(name, {})
                 group[str(level)] = {**{k: round(v, 3) for k, v in entry.items()},
+                                     "requests": sum(len(r["token_ids"]) for r in rs),
                                      "tree_sizes": {str(k): n for k, n in sorted(sizes.items())}}
                 print(f"[concurrency] {level:3d} requests {kind}-{dtype} {name:24s} {entry['tokens_per_s']:8.2f} tok/s  "
                       f"x{entry['speedup']:.2f}  cpu x{entry['cpu_ratio']:.2f}  accept {entry['acceptance_length']:.2f}  sizes {sizes}",
@@ -165,14 +187,16 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--dtypes", default=None, help="comma-separated dtypes, each config in each (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
+    p.add_argument("--prompts-per-level", type=int, default=8,
+                   help="prompts each level runs at least: waves of LEVEL prompts at once (batch 1: this many one at a time)")
     p.add_argument("--backend", default="local", choices=("local", "ray"),
                    help="ray: actors as `make serve` runs them (one CPU, so one thread, per actor)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
-    if min(args.levels) < 1 or args.max_tokens < 1 or args.repeats < 1:
-        p.error("--levels, --max-tokens and --repeats must be positive")
+    if min(args.levels) < 1 or args.max_tokens < 1 or args.repeats < 1 or args.prompts_per_level < 1:
+        p.error("--levels, --max-tokens, --repeats and --prompts-per-level must be positive")
     args.prompts = [k.strip() for k in args.prompts.split(",") if k.strip()]
     if not args.prompts or set(args.prompts) - set(PROMPT_SETS):
         p.error(f"--prompts: comma-separated among {', '.join(PROMPT_SETS)}, got {','.join(args.prompts)!r}")
@@ -201,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = list(dict.fromkeys([REFERENCE] + [n.strip() for n in args.configs.split(",") if n.strip()]))
-    prompt_sets = {kind: prompt_set(kind, max(args.levels), args.questions) for kind in args.prompts}
+    most = max(level * waves(level, args.prompts_per_level) for level in args.levels)
+    prompt_sets = {kind: prompt_set(kind, most, args.questions) for kind in args.prompts}
     if args.kv_slots is None:  # every request of the largest level at once
         encoder = SimpleNamespace(tokenizer=load_tokenizer(ModelSource.resolve(args.model).folder))
         ids = [Engine.encode_chat(encoder, c) for cs in prompt_sets.values() for c in cs]
@@ -221,14 +246,14 @@ def main(argv: list[str] | None = None) -> dict:
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
         try:
-            results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats)
+            results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level)
         finally:
             ray.shutdown()
     else:
-        results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats)
+        results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level)
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
-                 "repeats": args.repeats, "prompts": args.prompts,
+                 "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "prompts": args.prompts,
                  "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "prompt_sources": {"short": f"train.data eval seed {EVAL_SEED}",

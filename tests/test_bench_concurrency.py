@@ -13,12 +13,14 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     out = tmp_path / "concurrency.json"
     result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram,ngram+fixed,ngram+fixed@1",
                                "--levels", "1,2", "--prompts", "short", "--dtypes", "float32", "--max-tokens", "6", "--repeats", "1",
-                               "--threads", "1", "--out", str(out), "--plot"])
+                               "--prompts-per-level", "2", "--threads", "1", "--out", str(out), "--plot"])
     assert list(result["results"]) == ["short-float32"]
     group = result["results"]["short-float32"]
     assert list(group) == ["none", "ngram", "ngram+fixed", "ngram+fixed@1"]
     for per_level in group.values():
         assert set(per_level) == {"1", "2"}
+        # Two prompts at each level: two waves of one at batch 1, one wave of two.
+        assert per_level["1"]["requests"] == per_level["2"]["requests"] == 2
         assert all(entry["mismatches"] == 0 and entry["tokens_per_s"] > 0 for entry in per_level.values())
     assert all(entry["speedup"] == 1.0 and entry["cpu_ratio"] == 1.0 for entry in group["none"].values())
     # CPU per token (what a loaded machine distorts least) for every config, as a ratio to none's.
@@ -26,11 +28,19 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     # One request is within the cutoff of 1: it drafts exactly as ngram+fixed does; two are above it.
     cut, full = group["ngram+fixed@1"], group["ngram+fixed"]
     assert cut["1"]["acceptance_length"] == full["1"]["acceptance_length"]
+    assert group["none"]["1"]["tree_sizes"] == {"1": 2 * 5}  # both prompts' decode steps at batch 1
     assert cut["2"]["acceptance_length"] == 1.0 and cut["2"]["tree_sizes"] == {"1": 5}
     assert set(full["1"]["tree_sizes"]) == {"5"}  # ngram's 4 steps + the root, every decode step
     assert json.loads(out.read_text()) == result
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
+    assert result["meta"]["prompts_per_level"] == 2
+
+
+def test_levels_run_waves_of_distinct_prompts_in_alternating_order():
+    assert [concurrency.waves(level, 8) for level in (1, 2, 3, 8, 64)] == [8, 4, 3, 1, 1]
+    assert concurrency.turn_order(["none", "a", "b"], 0) == ["none", "a", "b"]
+    assert concurrency.turn_order(["none", "a", "b"], 1) == ["b", "a", "none"]
 
 
 @pytest.mark.parametrize("name", ["ngram@x", "ngram/0", "ngram@4/8"])
