@@ -5,7 +5,9 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
 
 * `StepCostModel`: step seconds, a decayed least-squares fit linear in the verify rows, the context
   they attend to, the draft's passes, the batch and the draft's catch-up (what a verify row, a draft
-  level and a caught-up token cost at this load, measured from the steps the engine runs).
+  level and a caught-up token cost at this load, measured from the steps the engine runs), each step
+  charged for the trees the target really verified; a size is predicted to cost what the trees it
+  recently verified cost (the draft's `min_path_prob` cuts unsure trees short).
 * `AcceptanceModel`: per draft depth, the decayed rate at which the full tree's token there is
   accepted given the one before it was; per smaller size, what it keeps of that; per request, its
   level against both, learnt from its drafting steps of any size.
@@ -68,6 +70,9 @@ PLAIN_MARGIN = 0.03
 # Most tokens a request's draft leaves waiting behind plain steps (`actors.draft_runner`): at this
 # many the drafter catches it up during the plain step itself, which bounds the waiting inputs' memory.
 MAX_DRAFT_LAG = 128
+# Decay of a size's verified-tree shape (`TreeSizePolicy.verified_shape`): the draft's confidence, which
+# cuts trees, changes with the requests, so a few steps' worth.
+SHAPE_DECAY = 0.9
 
 
 def knowledge_gradient(mean: float, spread: float) -> float:
@@ -148,8 +153,8 @@ class DecayedLinearFit:
 
 class StepCostModel:
     """Seconds of a decode step of B requests attending to C context tokens (summed over requests) that
-    verifies n nodes per request and drafts L levels for them, one decayed linear fit over every step
-    taken:
+    verifies n nodes per request in trees L draft levels deep (the trees the target really verified:
+    the draft's `min_path_prob` cuts unsure ones short), one decayed linear fit over every step taken:
 
         cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + i U
 
@@ -170,25 +175,31 @@ class StepCostModel:
         self.counts: dict[int, float] = {}  # decayed steps seen per tree size
 
     @staticmethod
-    def _features(nodes: int, depth: int, batch: int, context_tokens: int, catch_up: int) -> list[float]:
+    def _features(nodes: float, depth: float, batch: int, context_tokens: int, catch_up: int,
+                  drafts: bool | None) -> list[float]:
         context = context_tokens / _CONTEXT_UNIT
-        drafts = 1.0 if depth else 0.0
-        return [1.0, float(batch), float(batch * nodes), nodes * context, drafts, drafts * batch,
-                float(max(depth - 1, 0) * batch), depth * context, float(catch_up)]
+        d = float(depth > 0 if drafts is None else drafts)
+        return [1.0, float(batch), batch * nodes, nodes * context, d, d * batch,
+                max(depth - 1.0, 0.0) * batch, depth * context, float(catch_up)]
 
-    def observe(self, nodes: int, depth: int, batch: int, context_tokens: int, seconds: float,
-                catch_up: int = 0) -> None:
-        self.fit.observe(self._features(nodes, depth, batch, context_tokens, catch_up), seconds)
+    def observe(self, nodes: float, depth: float, batch: int, context_tokens: int, seconds: float,
+                catch_up: int = 0, *, drafts: bool | None = None, size: int | None = None) -> None:
+        """A step verified `nodes` per request in a tree `depth` deep; `drafts`: whether the draft ran
+        (default: depth > 0; a tree the draft's confidence cut to its root still paid the draft's
+        extend); `size`: the tree size chosen for it, whose steps `samples` counts (default `nodes`)."""
+        self.fit.observe(self._features(nodes, depth, batch, context_tokens, catch_up, drafts), seconds)
         for n in self.counts:
             self.counts[n] *= self.fit.decay
-        self.counts[nodes] = self.counts.get(nodes, 0.0) + 1.0
+        key = int(nodes) if size is None else size
+        self.counts[key] = self.counts.get(key, 0.0) + 1.0
 
-    def samples(self, nodes: int) -> float:
-        return self.counts.get(nodes, 0.0)
+    def samples(self, size: int) -> float:
+        return self.counts.get(size, 0.0)
 
-    def predict(self, nodes: int, depth: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
+    def predict(self, nodes: float, depth: float, batch: int, context_tokens: int, catch_up: int = 0,
+                drafts: bool | None = None) -> float:
         """Expected step seconds (never below a microsecond: an extrapolated line can dip under 0)."""
-        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens, catch_up)))
+        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens, catch_up, drafts)))
 
 
 class AcceptanceModel:
@@ -219,15 +230,33 @@ class AcceptanceModel:
         # q_d of the full tree: decayed (accepted, reached) counts at each depth over its steps' requests,
         # and the rates they give (kept: every prediction of every step reads them)
         self.depth_sums = [(0.0, 0.0)] * max_depth
+        # the same counts over smaller trees' steps: a floor under the prior (see `_rates`)
+        self.small_sums = [(0.0, 0.0)] * max_depth
         self.rates = self._rates()
         self.size_sums: dict[int, tuple[float, float]] = {}  # n -> decayed (accepted, predicted by m_r q)
         self.request_sums: dict[int, tuple[float, float]] = {}  # rid -> decayed (accepted, predicted by g_n q)
 
     def _rates(self) -> list[float]:
-        """q_d: at each depth, accepted over reached, from `PRIOR_TOKENS` reaches at the prior. A running
+        """q_d: at each depth, accepted over reached, from `PRIOR_TOKENS` reaches at a prior. A running
         rate that moved 5% a step kept ~60% of its prior after ten full trees, so a draft better than the
-        prior looked worse at the full tree than at the small trees that ran meanwhile."""
-        return [(seen + self.prior * self.prior_tokens) / (reached + self.prior_tokens) for seen, reached in self.depth_sums]
+        prior looked worse at the full tree than at the small trees that ran meanwhile. The prior is at
+        least what smaller trees accepted at that depth (their nodes are the full tree's best, so the
+        full tree accepts at least as often): at one request, the full tree that ran once in ~30 steps
+        kept the fixed prior's 0.5 at every depth against ~0.75 real, and 3-node trees ran for the first
+        ~150 steps while the full tree was ~10% faster."""
+        rates = []
+        for (seen, reached), (small_seen, small_reached) in zip(self.depth_sums, self.small_sums):
+            prior = max(self.prior, (small_seen + self.prior * self.prior_tokens) / (small_reached + self.prior_tokens))
+            rates.append((seen + prior * self.prior_tokens) / (reached + self.prior_tokens))
+        return rates
+
+    @staticmethod
+    def _counted(sums: list[tuple[float, float]], decay: float, drafted_depth: int,
+                 accepted: list[int]) -> list[tuple[float, float]]:
+        """`sums` after a step of trees `drafted_depth` deep: at each depth it reached, whether the
+        token there was accepted given the one before it was (depths past a first rejection say nothing)."""
+        return [(decay * seen + sum(a > d for a in accepted), decay * reached + sum(a >= d for a in accepted))
+                if d < drafted_depth else (seen, reached) for d, (seen, reached) in enumerate(sums)]
 
     def full_tree(self, depth: int) -> float:
         """sum_{d<=depth} prod_{j<=d} q_j: the full tree's expected accepted tokens for a typical request."""
@@ -267,11 +296,10 @@ class AcceptanceModel:
             seen, predicted = self.request_sums.get(rid, (0.0, 0.0))
             self.request_sums[rid] = (self.request_decay * seen + a, self.request_decay * predicted + factor * base)
         if nodes == self.full_size:
-            self.depth_sums = [(self.decay * seen + sum(a > d for a in accepted),
-                                self.decay * reached + sum(a >= d for a in accepted))
-                               if d < drafted_depth else (seen, reached)
-                               for d, (seen, reached) in enumerate(self.depth_sums)]
-            self.rates = self._rates()
+            self.depth_sums = self._counted(self.depth_sums, self.decay, drafted_depth, accepted)
+        else:
+            self.small_sums = self._counted(self.small_sums, self.decay, drafted_depth, accepted)
+        self.rates = self._rates()
 
     def forget(self, rid: int) -> None:
         self.request_sums.pop(rid, None)
@@ -314,6 +342,9 @@ class TreeSizePolicy:
         self.step = 0
         self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at
+        # Per chosen size: decayed sums of the verified trees' (nodes, depth) and their weight. The draft's
+        # `min_path_prob` cuts an unsure tree short, so a size costs what the trees it really runs cost.
+        self.shapes: dict[int, tuple[float, float, float]] = {}
         # Per load regime: the best size when last chosen, and the steps to wait before measuring a rival.
         self.best_at: dict[tuple[int, int], int] = {}
         self.wait: dict[tuple[int, int], int] = {}
@@ -336,6 +367,19 @@ class TreeSizePolicy:
     def depth(self, nodes: int) -> int:
         """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
         return min(self.draft_depth, nodes - 1)
+
+    def verified_shape(self, nodes: int) -> tuple[float, float]:
+        """(nodes, depth) a step choosing `nodes` is expected to verify: the decayed mean of its steps'
+        trees, or the uncut tree before any ran."""
+        if nodes not in self.shapes:
+            return float(nodes), float(self.depth(nodes))
+        width, depth, weight = self.shapes[nodes]
+        return width / weight, depth / weight
+
+    def step_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
+        """Predicted seconds of a step choosing `nodes` per request (`verified_shape`)."""
+        width, depth = self.verified_shape(nodes)
+        return self.costs.predict(width, depth, batch, context_tokens, catch_up, drafts=self.depth(nodes) > 0)
 
     @staticmethod
     def _regime(batch: int, context_tokens: int) -> tuple[int, int]:
@@ -375,8 +419,7 @@ class TreeSizePolicy:
             if self.costs.samples(n) == 0:  # no probe ran: measure the largest tree and the plain step first
                 return self._chosen(n)
         tokens = {n: self.expected_tokens(rids, n) for n in candidates}
-        cost = {n: self.costs.predict(n, self.depth(n), batch, context_tokens, self.catch_up_tokens(rids, n))
-                for n in candidates}
+        cost = {n: self.step_cost(n, batch, context_tokens, self.catch_up_tokens(rids, n)) for n in candidates}
         rate = {n: tokens[n] / cost[n] for n in candidates}
         best = max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
@@ -408,7 +451,7 @@ class TreeSizePolicy:
         steps thus pays for its catch-up, and one measured late in the load has little left to win."""
         batch = len(rids)
         # Its rate once running (no catch-up), against the bar it must clear to be chosen.
-        steady = tokens[rival] / self.costs.predict(rival, self.depth(rival), batch, context_tokens)
+        steady = tokens[rival] / self.step_cost(rival, batch, context_tokens)
         bar = rate[best] * ((1.0 + PLAIN_MARGIN) if best == 1 else (1.0 / (1.0 + PLAIN_MARGIN)) if rival == 1 else 1.0)
         mean = steady / bar
         now = self.uncertainty(rival, batch, context_tokens, tokens[rival])
@@ -424,13 +467,17 @@ class TreeSizePolicy:
         return nodes
 
     def observe(self, rids: list[int], context_tokens: int, nodes: int, seconds: float | None,
-                accepted: list[int]) -> None:
-        """A decode step ran with `nodes` per request in `seconds` (None: not timed alone) and each
-        request accepted `accepted[b]` draft tokens."""
+                accepted: list[int], verified: tuple[int, int] | None = None) -> None:
+        """A decode step chose `nodes` per request and ran in `seconds` (None: not timed alone); each
+        request accepted `accepted[b]` draft tokens; `verified`: the (nodes, depth) of the widest tree
+        the target verified (default: the uncut tree of `nodes`)."""
         depth = self.depth(nodes)
+        width, verified_depth = verified if verified is not None else (nodes, depth)
         if depth:
             self.acceptance.observe(rids, nodes, depth, accepted)
             self.evidence[nodes] = self.evidence.get(nodes, 0) + len(rids)
+            w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))
+            self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + verified_depth, SHAPE_DECAY * weight + 1.0)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
             lag = self.lag.get(rid, 0) + 1 if depth == 0 else 0
@@ -441,9 +488,9 @@ class TreeSizePolicy:
         if self.adaptive and seconds is not None:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("step of %d x %d nodes (catch-up %d): predicted %.1f ms, took %.1f ms", len(rids), nodes,
-                          catch_up, 1e3 * self.costs.predict(nodes, depth, len(rids), context_tokens, catch_up),
-                          1e3 * seconds)
-            self.costs.observe(nodes, depth, len(rids), context_tokens, seconds, catch_up)
+                          catch_up, 1e3 * self.step_cost(nodes, len(rids), context_tokens, catch_up), 1e3 * seconds)
+            self.costs.observe(width, verified_depth, len(rids), context_tokens, seconds, catch_up,
+                               drafts=depth > 0, size=nodes)
             for key in self.measured:
                 self.measured[key] *= self.costs.fit.decay
             key = (nodes, *self._regime(len(rids), context_tokens))

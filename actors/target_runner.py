@@ -189,6 +189,9 @@ class TargetRunner:
             extend_lens=torch.tensor(accept_lens, dtype=torch.long) + 1,
             accept_lens=torch.tensor(accept_lens, dtype=torch.long),
             **self._logprobs(meta, logits[rows_t.to(logits.device)], next_t),
+            tree_nodes=torch.full((batch,), n, dtype=torch.long),
+            # A node's depth is its position past the root's (positions (B, N), the root's first).
+            tree_depths=(verify.positions.max(dim=1).values - verify.positions[:, 0]).cpu(),
         )
 
 

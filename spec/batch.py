@@ -169,6 +169,9 @@ class DraftExtendInput:
     logprobs:      (T,)      raw logprob of each next_token, where a request asked (else 0)
     top_logprobs:  (T, K)    the K most likely tokens' raw logprobs there (K = the batch's largest ask, or 0)
     top_ids:       (T, K)    their ids
+    tree_nodes:    (B,)      nodes the target verified for each request, root included (its tree after
+                             the draft's `min_path_prob` cut; 0 for prefill): what the step really cost
+    tree_depths:   (B,)      depth of each verified tree (draft levels it holds; 0 for prefill)
     """
 
     tokens: torch.Tensor
@@ -181,9 +184,12 @@ class DraftExtendInput:
     logprobs: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
+    tree_nodes: torch.Tensor | None = None
+    tree_depths: torch.Tensor | None = None
 
     _TOKEN_FIELDS = ("tokens", "next_tokens", "positions", "slots", "hidden_states")
     _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "top_ids")
+    _REQUEST_FIELDS = ("extend_lens", "accept_lens", "tree_nodes", "tree_depths")
 
     def __post_init__(self) -> None:
         if self.logprobs is None:  # nobody asked: zero-width tops, one float per row
@@ -191,6 +197,9 @@ class DraftExtendInput:
             self.logprobs = torch.zeros(rows)
             self.top_logprobs = torch.zeros((rows, 0))
             self.top_ids = torch.zeros((rows, 0), dtype=torch.long)
+        for name in ("tree_nodes", "tree_depths"):  # no tree verified (prefill, catch-up)
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros_like(self.extend_lens))
 
     @classmethod
     def create_idle(cls, spec: HiddenStateSpec | None) -> "DraftExtendInput":
@@ -237,11 +246,8 @@ class DraftExtendInput:
         merged["logprobs"] = torch.cat([self.logprobs, other.logprobs])
         merged["top_logprobs"] = _cat_padded(self.top_logprobs, other.top_logprobs, 0)
         merged["top_ids"] = _cat_padded(self.top_ids, other.top_ids, 0)
-        return replace(
-            self, **merged,
-            extend_lens=torch.cat([self.extend_lens, other.extend_lens]),
-            accept_lens=torch.cat([self.accept_lens, other.accept_lens]),
-        )
+        merged.update({n: torch.cat([getattr(self, n), getattr(other, n)]) for n in self._REQUEST_FIELDS})
+        return replace(self, **merged)
 
     def filter(self, keep: Keep) -> "DraftExtendInput":
         index = _keep_index(keep, self.num_requests)
@@ -254,7 +260,8 @@ class DraftExtendInput:
             n: None if getattr(self, n) is None else getattr(self, n).index_select(0, rows.to(getattr(self, n).device))
             for n in (*self._TOKEN_FIELDS, *self._LOGPROB_FIELDS)
         }
-        return replace(self, **kept, extend_lens=lens, accept_lens=self.accept_lens[index])
+        kept.update({n: getattr(self, n)[index] for n in self._REQUEST_FIELDS})
+        return replace(self, **kept)
 
 
 @dataclass
