@@ -171,7 +171,7 @@ class DraftExtendInput:
     top_ids:       (T, K)    their ids
     tree_nodes:    (B,)      nodes the target verified for each request, root included (its tree after
                              the draft's `min_path_prob` cut; 0 for prefill): what the step really cost
-    tree_depths:   (B,)      depth of each verified tree (draft levels it holds; 0 for prefill)
+    tree_depths:   (B,)      depth of each verified tree (its deepest node's distance from the root; 0 for prefill)
     """
 
     tokens: torch.Tensor

@@ -512,3 +512,21 @@ def test_smaller_trees_acceptance_is_a_floor_under_the_full_trees_prior():
     for _ in range(10):
         model.observe([1], 3, drafted_depth=2, accepted=[0])
     assert model.rates == pytest.approx([0.5] * 3)
+
+
+def test_measuring_steps_back_off_across_a_requests_growing_context():
+    """At one request where no tree pays, each request's context grows through several context regimes
+    as it decodes. The wait between measuring steps belongs to the batch's load, so 8 requests of 64
+    steps measure a rival a handful of times in all (a wait per context regime measured again in each:
+    16 measuring steps in ~500 in bf16 on a CPU without native bf16, where trees never paid; 10 now)."""
+    policy = _probed(lambda n, b, context: 0.060 * (1.0 if n == 1 else 1.8))
+    chosen = []
+    for rid in range(8):
+        for step in range(64):
+            context = 40 + 6 * step  # 40 -> 418 tokens: three context regimes
+            nodes = policy.choose([rid], context)
+            chosen.append(nodes)
+            accepted = int(nodes > 1 and step % 2 == 0)  # 1.5 tokens for 1.8 plain steps: 0.83x plain
+            policy.observe([rid], context, nodes, 0.060 * (1.0 if nodes == 1 else 1.8), [accepted])
+        policy.forget(rid)
+    assert len(chosen) - chosen.count(1) <= 10  # 7 (a wait per context regime: 20)
