@@ -480,8 +480,6 @@ class TreeSizePolicy:
         if depth:
             self.acceptance.observe(rids, nodes, depth, accepted)
             self.evidence[nodes] = self.evidence.get(nodes, 0) + len(rids)
-            w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))
-            self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + verified_depth, SHAPE_DECAY * weight + 1.0)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
             lag = self.lag.get(rid, 0) + 1 if depth == 0 else 0
@@ -499,6 +497,9 @@ class TreeSizePolicy:
                 self.measured[key] *= self.costs.fit.decay
             key = (nodes, *self._regime(len(rids), context_tokens))
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
+        if depth:  # after the debug line above, which logs the prediction this step was chosen on
+            w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))
+            self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + verified_depth, SHAPE_DECAY * weight + 1.0)
         self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.rates[: self.draft_depth]]
 
     def forget(self, rid: int) -> None:
