@@ -14,9 +14,10 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
 * `TreeSizePolicy`: each step, among a few size buckets (the verify width is one per step: the
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step), a tree's cost including the catch-up its draft needs first
-  (the tokens the batch's requests committed in plain steps since they were last drafted for: the
-  tree that resumes drafting pays it, so a tree that only just beats plain decoding does not resume
-  after a long stretch of plain steps). The user's `verify_budget` and `disable_by_batch_size` cap
+  (the tokens the batch's requests committed in plain steps since they were last drafted for, and
+  the prompt chunks that joined a load decoding plain (`defers_prompts`): the tree that resumes
+  drafting pays it, so a tree that only just beats plain decoding does not resume after a long
+  stretch of plain steps). The user's `verify_budget` and `disable_by_batch_size` cap
   it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
   measuring costs little: a rival size is measured only when what one more step of it is expected to
   teach (the knowledge gradient of its rate's uncertainty at this load, over the time the batch's
@@ -67,9 +68,12 @@ MAX_BACKOFF = 16
 # safe side (no draft work, no catch-up when drafting resumes): a fit off by a few percent in a
 # tree's favour would otherwise run trees that are slower than plain steps where the two are close.
 PLAIN_MARGIN = 0.03
-# Most tokens a request's draft leaves waiting behind plain steps (`actors.draft_runner`): at this
-# many the drafter catches it up during the plain step itself, which bounds the waiting inputs' memory.
-MAX_DRAFT_LAG = 128
+# Most tokens a request's draft leaves waiting behind plain steps and deferred prompt chunks
+# (`actors.draft_runner`): at this many the drafter catches it up at once, which bounds the waiting
+# inputs' memory (a target hidden row each: 1728 floats for SmolLM2's EAGLE-3 head, ~14 MB a request
+# in fp32 at this bound). Long enough for a 1-2k-token prompt's draft prefill to wait whole: at 128 it
+# ran at once, ~3% of a prefill-heavy load's time where no step drafted (docs/benchmarks.md).
+MAX_DRAFT_LAG = 2048
 # Decay of a size's verified-tree shape (`TreeSizePolicy.verified_shape`): the draft's confidence, which
 # cuts trees, changes with the requests, so a few steps' worth.
 SHAPE_DECAY = 0.9
@@ -274,11 +278,12 @@ class AcceptanceModel:
         seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
         return min(1.0, (seen + self.untried_scale * self.prior_tokens) / (predicted + self.prior_tokens))
 
-    def multiplier(self, rid: int) -> float:
+    def multiplier(self, rid: int | None) -> float:
+        """m_r; 1 (agreement) for a request not seen yet (None)."""
         seen, predicted = self.request_sums.get(rid, (0.0, 0.0))
         return (seen + self.request_prior_tokens) / (predicted + self.request_prior_tokens)
 
-    def expected(self, rid: int, nodes: int, depth: int) -> float:
+    def expected(self, rid: int | None, nodes: int, depth: int) -> float:
         """Expected accepted draft tokens of request `rid` verifying a tree of `nodes` reaching `depth`."""
         return min(float(depth), self.multiplier(rid) * self.size_factor(nodes) * self.full_tree(depth))
 
@@ -364,8 +369,39 @@ class TreeSizePolicy:
         return sum(self.lag.get(rid, 0) for rid in rids) if self.depth(nodes) else 0
 
     def caught_up(self, rid: int) -> None:
-        """Request `rid`'s draft extended over all its tokens (its prompt, or a re-prefill)."""
+        """Request `rid`'s draft extended over all its tokens (a prompt chunk, or a re-prefill)."""
         self.lag.pop(rid, None)
+
+    def deferred(self, rid: int, tokens: int) -> None:
+        """Request `rid`'s draft left a prompt chunk of `tokens` waiting (`defers_prompts`); at
+        `MAX_DRAFT_LAG` waiting tokens the drafter caught it up instead."""
+        lag = self.lag.get(rid, 0) + tokens
+        if lag < MAX_DRAFT_LAG:
+            self.lag[rid] = lag
+        else:
+            self.lag.pop(rid, None)
+
+    def defers_prompts(self, batch: int, context_tokens: int) -> bool:
+        """Whether a prompt joining a load of `batch` requests attending to `context_tokens` should
+        leave its draft's extend waiting: where plain decoding is that load's best (the user's caps, or
+        the predicted rates of requests not seen yet), the draft's prefill would cost ~5% of the
+        target's and no tree may use it; the tree that resumes drafting pays its catch-up instead."""
+        if self.forced is not None:
+            return False
+        cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
+        if cap == 1:
+            return True
+        candidates = [n for n in self.buckets if n <= cap]
+        if not self.adaptive or any(self.costs.samples(n) == 0 for n in (candidates[0], candidates[-1])):
+            return False
+        fresh = [None] * batch
+        return self._best({n: self.expected_tokens(fresh, n) / self.step_cost(n, batch, context_tokens)
+                           for n in candidates}) == 1
+
+    @staticmethod
+    def _best(rate: dict[int, float]) -> int:
+        """The size with the most tokens per second, plain decoding favoured by `PLAIN_MARGIN`."""
+        return max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
 
     def depth(self, nodes: int) -> int:
         """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
@@ -399,8 +435,8 @@ class TreeSizePolicy:
         acceptance = ACCEPTANCE_UNCERTAINTY * gained / math.sqrt(1.0 + self.evidence.get(nodes, 0) + more * batch)
         return math.hypot(cost, acceptance)
 
-    def expected_tokens(self, rids: list[int], nodes: int) -> float:
-        """sum over requests of E[accepted + 1] with `nodes` per request."""
+    def expected_tokens(self, rids: list[int | None], nodes: int) -> float:
+        """sum over requests of E[accepted + 1] with `nodes` per request (None: a request not seen yet)."""
         depth = self.depth(nodes)
         if depth == 0:
             return float(len(rids))
@@ -424,7 +460,7 @@ class TreeSizePolicy:
         tokens = {n: self.expected_tokens(rids, n) for n in candidates}
         cost = {n: self.step_cost(n, batch, context_tokens, self.catch_up_tokens(rids, n)) for n in candidates}
         rate = {n: tokens[n] / cost[n] for n in candidates}
-        best = max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
+        best = self._best(rate)
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
         # flat in between), at most one measured every `explore_every` steps, then every 2, 4, ... times
         # that while the best at this load stays the same (`MAX_BACKOFF`).

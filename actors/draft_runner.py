@@ -208,7 +208,7 @@ class DraftRunner:
         self.input_spec = get_draft_input_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.shifted = self.algorithm.is_eagle
-        self._pending: dict[int, tuple[int, int, int, torch.Tensor | None]] = {}  # see _defer
+        self._pending: dict[int, tuple[int, int, int, torch.Tensor | None, int]] = {}  # see _defer
 
     def use_step_graphs(self, capture: bool) -> None:
         """Run propose levels and extends through `StepGraphs` (captured when `capture` and on CUDA,
@@ -228,21 +228,23 @@ class DraftRunner:
 
     @torch.inference_mode()
     def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
-        """Write draft KV for the committed tokens; return the next DraftInput per request. After a
-        plain decode step (one verify node) the tokens wait instead (`_defer`)."""
+        """Write draft KV for the committed tokens; return the next DraftInput per request. The
+        tokens of a plain decode step (one verify node) and the prompt chunks the scheduler marks
+        (`meta.defer_draft`) wait instead (`_defer`)."""
         if ext.num_requests == 0:
             return DraftInput.create_idle(self.hidden_spec, self.topk if self.shifted else 0)
         if self.input_spec is not None:
             self.input_spec.check(ext.hidden_states, "draft.extend input")
         decode = meta.num_decode
-        if decode and step_nodes(meta, self.tree_size) == 1:
-            if decode == meta.num_requests:
-                return self._defer(meta, ext)
-            # A mixed step whose decode rows were plain: they wait, its prompt chunks extend.
-            rest = torch.arange(decode, ext.num_requests)
-            return self._defer(meta.decode_part(), ext.filter(torch.arange(decode))).merge(
-                self._extend(meta.prefill_part(), ext.filter(rest)))
-        return self._extend(meta, ext)
+        defer = meta.defer_draft.clone()  # (B,) bool
+        defer[:decode] = bool(decode) and step_nodes(meta, self.tree_size) == 1
+        if not bool(defer.any()):
+            return self._extend(meta, ext)
+        if bool(defer.all()):
+            return self._defer(meta, ext)
+        waits, runs = defer.nonzero().flatten(), (~defer).nonzero().flatten()
+        out = self._defer(meta.filter(waits), ext.filter(waits)).merge(self._extend(meta.filter(runs), ext.filter(runs)))
+        return out.filter(torch.argsort(torch.cat([waits, runs])))  # back in the batch's row order
 
     def _extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
         """Write the draft KV of `ext`'s tokens (accepted verify rows, prompt chunks, or both)."""
@@ -278,19 +280,30 @@ class DraftRunner:
     # ---- staying ready cheaply: plain steps defer the draft's extend ----------------------------
     # A plain step drafts nothing, and the next one may not either (the scheduler chose plain
     # decoding because drafts did not pay): extending the draft there would cost a draft forward
-    # per token that no tree may use. Each committed token's extend input (token, next token,
-    # position, target hidden row) waits here under its KV slot; they are always the tail of their
-    # request's committed slots. When the request is next drafted for, one prefill-shaped forward
-    # catches its draft KV up over all of them (`_catch_up`); a request with `max_pending` waiting
-    # tokens is caught up at once, which bounds the memory they hold. The tree-size policy counts the
-    # same waiting tokens (`TreeSizePolicy.lag`) and charges their catch-up to the tree that resumes.
+    # per token that no tree may use. The same holds for a prompt that joins such a load (the
+    # scheduler marks its chunks `defer_draft`). Each such token's extend input (token, next token,
+    # position, target hidden row, and how many waiting tokens its request's slots end in with it)
+    # waits here under its KV slot; they are always the tail of their request's committed slots.
+    # When the request is next drafted for, one prefill-shaped forward catches its draft KV up over
+    # all of them (`_catch_up`); a request with `max_pending` waiting tokens is caught up at once,
+    # which bounds the memory they hold. The tree-size policy counts the same waiting tokens
+    # (`TreeSizePolicy.lag`) and charges their catch-up to the tree that resumes.
     max_pending = MAX_DRAFT_LAG
 
-    def _pending_tail(self, slots: torch.Tensor, seq_len: int) -> list[int]:
-        """The waiting tail of a request's committed `slots` (its first `seq_len`)."""
-        if not self._pending:
-            return []
-        tail = slots[max(0, seq_len - self.max_pending - 1): seq_len].tolist()
+    def _runs(self, meta: BatchMeta) -> list[int]:
+        """(B,) waiting tokens each request's committed slots end in, as its last slot counts them
+        (`_waiting_tail` checks them)."""
+        batch = meta.num_requests
+        if not self._pending or meta.kv_slots.shape[1] == 0:
+            return [0] * batch
+        last = meta.kv_slots.gather(1, (meta.seq_lens - 1).clamp(min=0).unsqueeze(1)).squeeze(1).tolist()
+        return [self._pending[slot][4] if n > 0 and slot in self._pending else 0
+                for slot, n in zip(last, meta.seq_lens.tolist())]
+
+    def _waiting_tail(self, slots: torch.Tensor, seq_len: int, run: int) -> list[int]:
+        """The waiting tail of a request's committed `slots` (its first `seq_len`), at most `run` long:
+        the slots still waiting from its end (a slot reused by another request since is not)."""
+        tail = slots[seq_len - run: seq_len].tolist()
         waiting = 0
         for slot in reversed(tail):
             if slot not in self._pending:
@@ -317,8 +330,8 @@ class DraftRunner:
         """The rows of `meta` whose committed slots end in waiting tokens: each one's count of
         committed slots before them, and the waiting slots."""
         rows, prefix_lens, waiting = [], [], []
-        for b, seq_len in enumerate(meta.seq_lens.tolist()):
-            tail = self._pending_tail(meta.kv_slots[b], seq_len)
+        for b, (seq_len, run) in enumerate(zip(meta.seq_lens.tolist(), self._runs(meta))):
+            tail = self._waiting_tail(meta.kv_slots[b], seq_len, run) if run else []
             if tail:
                 rows.append(b)
                 prefix_lens.append(seq_len - len(tail))
@@ -334,27 +347,34 @@ class DraftRunner:
         return _with_rows(draft_input, rows, self._catch_up(meta.kv_slots[rows], prefix_lens, waiting))
 
     def _defer(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
-        """A plain step's extend: keep the committed tokens' inputs for a later catch-up; returns
-        placeholder rows (the verified ids only) for requests still waiting."""
+        """A plain step's extend, or a deferred prompt chunk's: keep the committed tokens' inputs for a
+        later catch-up; returns placeholder rows (the verified ids only) for requests still waiting."""
         slots, tokens, nxt, pos = (t.tolist() for t in (ext.slots, ext.tokens, ext.next_tokens, ext.positions))
-        hidden = ext.hidden_states
-        for i, slot in enumerate(slots):
-            self._pending[slot] = (tokens[i], nxt[i], pos[i], None if hidden is None else hidden[i].clone())
-        seq_lens = meta.seq_lens.tolist()
-        new = torch.split(ext.slots, ext.extend_lens.tolist())
-        tails = [self._pending_tail(meta.kv_slots[b], s) + new[b].tolist() for b, s in enumerate(seq_lens)]
-        if len(self._pending) > sum(map(len, tails)) + 8 * self.max_pending:
+        lens, seq_lens, runs = ext.extend_lens.tolist(), meta.seq_lens.tolist(), self._runs(meta)
+        start, full = 0, []
+        for b, n in enumerate(lens):
+            # One copy per request (the step's buffers are reused); its rows are views of it.
+            hidden = None if ext.hidden_states is None else ext.hidden_states[start: start + n].clone()
+            for j in range(n):
+                self._pending[slots[start + j]] = (tokens[start + j], nxt[start + j], pos[start + j],
+                                                   None if hidden is None else hidden[j], runs[b] + j + 1)
+            if runs[b] + n >= self.max_pending:
+                full.append(b)
+            start += n
+        new = torch.split(ext.slots, lens)
+        if len(self._pending) > sum(runs) + sum(lens) + 8 * self.max_pending:
             # Leftovers of requests that ended while waiting (a request outside this step would
             # lose its wait too: its draft then proposes from stale KV, which only costs acceptance).
-            keep = {slot for tail in tails for slot in tail}
+            keep = {slot for b, s in enumerate(seq_lens)
+                    for slot in self._waiting_tail(meta.kv_slots[b], s, runs[b]) + new[b].tolist()}
             self._pending = {k: v for k, v in self._pending.items() if k in keep}
         out = placeholder_draft_input(ext.next_tokens[_last_rows(ext)], self.hidden_spec,
                                       self.topk if self.shifted else 0)
-        full = [b for b, tail in enumerate(tails) if len(tail) >= self.max_pending]
         if not full:
             return out
-        prefix_lens = [seq_lens[b] - (len(tails[b]) - len(new[b])) for b in full]
-        return _with_rows(out, full, self._catch_up(meta.kv_slots[full], prefix_lens, [tails[b] for b in full]))
+        tails = [self._waiting_tail(meta.kv_slots[b], seq_lens[b], runs[b]) + new[b].tolist() for b in full]
+        prefix_lens = [seq_lens[b] - (len(tail) - lens[b]) for b, tail in zip(full, tails)]
+        return _with_rows(out, full, self._catch_up(meta.kv_slots[full], prefix_lens, tails))
 
     @torch.inference_mode()
     def propose(self, meta: BatchMeta, draft_input: DraftInput) -> VerifyInput:

@@ -385,9 +385,14 @@ class Scheduler:
         """Chunks join their requests' KV; requests whose prompt is complete start running with
         their first token (a recomputed request already has it) and their DraftInput row."""
         done = []
-        for b, request in enumerate(plan.requests):
+        for b, (request, n, deferred) in enumerate(zip(plan.requests, plan.meta.prefill_lens.tolist(),
+                                                       plan.meta.defer_draft.tolist())):
             tokens, _ = request.kv_tokens()
-            request.slots.extend(plan.meta.prefill_slots[b, : int(plan.meta.prefill_lens[b])].tolist())
+            request.slots.extend(plan.meta.prefill_slots[b, :n].tolist())
+            if deferred:  # its draft extend waits for the next tree that drafts for it
+                self.policy.deferred(request.rid, n)
+            else:  # the draft extended over the chunk and anything that waited before it
+                self.policy.caught_up(request.rid)
             if len(request.slots) == len(tokens):
                 done.append(b)
         new_tokens, new_logprobs = ext.new_token_ids(), ext.new_logprobs()
@@ -397,7 +402,6 @@ class Scheduler:
             if not request.output_ids:
                 request.num_verify_steps += 1
                 self._append(request, new_tokens[b], new_logprobs[b])
-            self.policy.caught_up(request.rid)  # the prefill extended its draft over every token
             self.running.append(request)
         self.draft_input = self.draft_input.merge(draft_input.filter(done))
         return [plan.requests[b] for b in done]
@@ -582,11 +586,20 @@ class Scheduler:
             if not requests:
                 return None
             meta = self._prefill_meta(requests, [len(r.slots) for r in requests], lens, slots)
+            if self.config.algorithm.needs_draft_model and self._defers_prompts():
+                meta.defer_draft.fill_(True)
         except Exception:
             self.slots.free([s for row in slots for s in row])
             self._unadmit(admitted)
             raise
         return StepPlan("prefill", requests, meta, self._idle_draft_input(), admitted=admitted)
+
+    def _defers_prompts(self) -> bool:
+        """Whether prompt chunks prefilled now leave the draft's extend waiting: where the policy holds
+        plain decoding best for the load they join (the running and prefilling requests)."""
+        batch = len(self.running) + len(self.prefilling)
+        context = sum(r.seq_len for r in self.running) + sum(len(r.kv_tokens()[0]) for r in self.prefilling)
+        return self.policy.defers_prompts(batch, context)
 
     def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":
         """Decode of the running batch (or of `rows` of it). When the pool cannot hold the

@@ -286,6 +286,8 @@ class BatchMeta(_RowBatch):
     stop_ids:      (B, Ks) ids min_tokens holds back, padded with -1
     bias_ids:      (B, Kb) logit_bias ids, padded with -1;  bias_values: (B, Kb) float
     num_logprobs:  (B,)    top logprobs to return per token, -1 for none
+    defer_draft:   (B,)    bool: a prefill row whose draft extend waits (the load decodes plain; the
+                           draft catches up when a tree next drafts for the request)
     """
 
     seq_lens: torch.Tensor
@@ -313,11 +315,12 @@ class BatchMeta(_RowBatch):
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
     num_logprobs: torch.Tensor | None = None
+    defer_draft: torch.Tensor | None = None
 
     _NEUTRAL = {"min_p": (0.0, torch.float32), "prompt_lens": (0, torch.long), "num_output": (0, torch.long),
                 "min_tokens": (0, torch.long), "repetition_penalty": (1.0, torch.float32),
                 "presence_penalty": (0.0, torch.float32), "frequency_penalty": (0.0, torch.float32),
-                "num_logprobs": (-1, torch.long)}
+                "num_logprobs": (-1, torch.long), "defer_draft": (False, torch.bool)}
 
     def __post_init__(self) -> None:
         rows = self.seq_lens.shape[0]

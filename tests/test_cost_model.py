@@ -359,6 +359,31 @@ def test_plain_steps_build_up_the_catch_up_until_the_draft_catches_up_itself():
     assert policy.catch_up_tokens([0], 8) == 0
 
 
+def test_prompts_defer_their_draft_prefill_where_plain_decoding_is_the_loads_best():
+    """A prompt joining a load leaves its draft's prefill waiting where plain decoding is that load's
+    best: above the user's caps, or where the measured costs make trees slower than plain steps for
+    requests not seen yet; never while the probe forces sizes or before both ends were measured. The
+    waiting chunks count towards the catch-up of the tree that resumes, up to MAX_DRAFT_LAG."""
+    from actors.cost_model import MAX_DRAFT_LAG
+    capped = _policy(disable_by_batch_size=8)
+    assert capped.defers_prompts(16, 16 * 300) and not capped.defers_prompts(4, 4 * 300)  # nothing measured
+
+    def cost(nodes, batch, context):  # verify rows dear at large batches, drafting cheap at small ones
+        return 0.05 + 0.001 * batch * nodes + (nodes > 1) * (0.01 + 0.002 * batch)
+
+    policy = _probed(cost)
+    assert not policy.defers_prompts(1, 300) and not policy.defers_prompts(2, 600)
+    assert policy.defers_prompts(32, 32 * 300) and policy.defers_prompts(64, 64 * 300)
+    policy.forced = 1
+    assert not policy.defers_prompts(64, 64 * 300)
+    policy.forced = None
+    policy.deferred(5, 300)
+    policy.deferred(5, 200)
+    assert policy.catch_up_tokens([5], 8) == 500 and policy.catch_up_tokens([5], 1) == 0
+    policy.deferred(5, MAX_DRAFT_LAG - 500)  # the drafter caught it up at once
+    assert policy.catch_up_tokens([5], 8) == 0
+
+
 def test_the_probe_predicts_one_level_trees_apart_from_deeper_ones():
     """A tree of one draft level runs the draft's extend and top-k head but no beam level; deeper trees
     add a level over every request's beams per depth. Where the extend is most of the draft's cost

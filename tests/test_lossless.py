@@ -145,11 +145,13 @@ def test_hot_vocab_draft_proposes_target_ids(tiny_target, tiny_dir, reference):
     assert sum(verify_steps("target_hot_partial", used[::2])) > sum(full)
 
 
-def _limited_steps(engine) -> tuple[list, list[tuple[int, int, int]]]:
-    """Run every request at once; per decode step and request (running batch, tokens left, tokens gained)."""
+def _limited_steps(engine, after_prefill=lambda reqs: None) -> tuple[list, list[tuple[int, int, int]]]:
+    """Run every request at once; per decode step and request (running batch, tokens left, tokens gained).
+    `after_prefill(requests)` runs once every request has joined."""
     sched = engine.scheduler
     reqs = _submit(sched)
     sched.step()  # prefill: every request joins
+    after_prefill(reqs)
     steps = []
     while sched.has_unfinished():
         before = {id(r): len(r.output_ids) for r in sched.running}
@@ -186,6 +188,26 @@ def test_deferred_draft_catches_up_exactly(tiny_target, reference):
     reqs, steps = _limited_steps(engine)
     assert [r.output().token_ids for r in reqs] == reference
     assert all(gained == (min(5, left) if batch <= 2 else 1) for batch, left, gained in steps)
+
+
+@pytest.mark.parametrize("algorithm,draft,steps", [("STANDALONE", "tiny_target", 4), ("EAGLE3", "tiny_eagle3_shared", 3)])
+def test_prompts_joining_a_plain_load_defer_their_draft_prefill(request, tiny_target, reference, algorithm, draft, steps):
+    """Prompts that join a load decoding plain (above disable_by_batch_size) leave the draft's prefill
+    waiting: no draft forward runs over them. The first tree drafted for a request catches its draft
+    up over its prompt and the plain steps' tokens in one pass; the target as its own draft then
+    accepts its whole tree, as after a full prefill, and output stays the target's own."""
+    engine = _engine(tiny_target, algorithm, request.getfixturevalue(draft), 1, 5, steps,
+                     disable_by_batch_size=2, **FIXED_TREES)
+    sched = engine.scheduler
+
+    def waiting(reqs):  # every prompt prefilled into a load of 5 requests, which decodes plain
+        assert len(sched.executor.drafter._pending) == sum(map(len, PROMPTS))
+        assert sched.policy.lag == {r.rid: len(p) for r, p in zip(reqs, PROMPTS)}
+
+    reqs, steps = _limited_steps(engine, waiting)
+    assert [r.output().token_ids for r in reqs] == reference
+    if draft == "tiny_target":
+        assert all(gained == (min(5, left) if batch <= 2 else 1) for batch, left, gained in steps)
 
 
 @pytest.mark.parametrize("algorithm,draft,topk,n", [("EAGLE3", "tiny_eagle3_shared", 4, 8), ("EAGLE", "tiny_eagle", 2, 5),
