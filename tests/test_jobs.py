@@ -184,13 +184,13 @@ def _submit(address, env, args, wait=True):
 def test_ray_job_submit_is_complete_and_resumable(ray_head, tiny_target, tmp_path):
     address, env = ray_head
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    total = 120
+    total = 60
     lines = [json.dumps({"id": i, "prompt": f"w{i % 50} w{(i * 7) % 50}", "ignore_eos": True}) for i in range(total)]
     lines[5] = "{not json"
     lines[9] = json.dumps({"id": 3, "prompt": "w1"})  # duplicate id
     lines[12] = json.dumps({"id": 12, "prompt": "w1", "temperature": -2})
     inp.write_text("\n".join(lines) + "\n")
-    args = ["--input", str(inp), "--output", str(out), "--model", str(tiny_target), "--max-tokens", "96",
+    args = ["--input", str(inp), "--output", str(out), "--model", str(tiny_target), "--max-tokens", "64",
             "--batch-size", "2"]
 
     first = _submit(address, env, args, wait=False)
@@ -211,6 +211,6 @@ def test_ray_job_submit_is_complete_and_resumable(ray_head, tiny_target, tmp_pat
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     ids = [r["id"] for r in rows]
     assert sorted(ids) == sorted(set(range(total)) - {5, 9, 12}) and len(ids) == len(set(ids)) == total - 3
-    assert all(r["num_output_tokens"] == 96 and r["finish_reason"] == "length" for r in rows)
+    assert all(r["num_output_tokens"] == 64 and r["finish_reason"] == "length" for r in rows)
     errors = [json.loads(line) for line in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
     assert [e["line"] for e in errors] == [6, 10, 13]
