@@ -596,9 +596,13 @@ class Scheduler:
 
     def _defers_prompts(self) -> bool:
         """Whether prompt chunks prefilled now leave the draft's extend waiting: where the policy holds
-        plain decoding best for the load they join (the running and prefilling requests)."""
-        batch = len(self.running) + len(self.prefilling)
-        context = sum(r.seq_len for r in self.running) + sum(len(r.kv_tokens()[0]) for r in self.prefilling)
+        plain decoding best for the load they join (the running and prefilling requests, and the
+        waiting ones that fit beside them: a burst of prompts decodes together once all are in)."""
+        room = max(0, self.config.max_running_requests - len(self.running) - len(self.prefilling))
+        joining = list(self.prefilling) + list(itertools.islice(self.waiting, room))
+        batch = len(self.running) + len(joining)
+        context = sum(r.seq_len for r in self.running) + sum(
+            len(r.prompt_ids) + max(len(r.output_ids) - 1, 0) for r in joining)  # each one's kv_tokens
         return self.policy.defers_prompts(batch, context)
 
     def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":

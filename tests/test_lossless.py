@@ -210,6 +210,23 @@ def test_prompts_joining_a_plain_load_defer_their_draft_prefill(request, tiny_ta
         assert all(gained == (min(5, left) if batch <= 2 else 1) for batch, left, gained in steps)
 
 
+def test_a_burst_of_prompts_defers_its_draft_prefill_from_the_first_chunk(tiny_target, reference):
+    """Prompts that arrive together decode together: the first one prefilled (one chunk a step here)
+    already counts the others still queued, so a burst above disable_by_batch_size leaves the draft's
+    prefill waiting from its first chunk; output stays the target's own."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, disable_by_batch_size=2,
+                     max_num_batched_tokens=len(PROMPTS[0]), **FIXED_TREES)
+    sched = engine.scheduler
+    reqs = _submit(sched)
+    sched.step()
+    assert len(sched.waiting) == len(PROMPTS) - 1  # the rest of the burst is still queued
+    assert len(sched.executor.drafter._pending) == len(PROMPTS[0])
+    assert sched.policy.lag == {reqs[0].rid: len(PROMPTS[0])}
+    while sched.has_unfinished():
+        sched.step()
+    assert [r.output().token_ids for r in reqs] == reference
+
+
 @pytest.mark.parametrize("algorithm,draft,topk,n", [("EAGLE3", "tiny_eagle3_shared", 4, 8), ("EAGLE", "tiny_eagle", 2, 5),
                                                      ("NGRAM", None, 1, 5)])
 def test_batch_limits_stay_lossless(request, tiny_target, reference, algorithm, draft, topk, n):
