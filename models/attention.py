@@ -182,9 +182,9 @@ class KVPool:
     """Per-layer K/V tensors indexed by slot ids: (kv_heads, num_slots, head_dim) each.
 
     Head-major, so that gathering a batch's slots gives each KV head's keys as one contiguous
-    (B * K, D) block: the attention products then read them as (Hkv * B) plain matrices, where a
-    slot-major pool's gather had to be copied once more into that layout in every layer (the
-    largest of the small ops of a batch-16 decode step in a CPU profile)."""
+    (B * K, D) block: SDPA reads the gather as (B, Hkv, K, D) views with each (K, D) matrix
+    contiguous, where a slot-major pool's gather had to be copied once more into such a layout in
+    every layer (the largest of the small ops of a batch-16 decode step in a CPU profile)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
         shape = (kv_heads, num_slots, head_dim)
@@ -224,11 +224,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     gather = meta.kv_index.flatten()
     keys = k_cache.index_select(1, gather).view(k_cache.shape[0], batch, -1, dim)  # (Hkv, B, K, D)
     values = v_cache.index_select(1, gather).view(v_cache.shape[0], batch, -1, dim)
-    if use_grouped(q, num_q):
-        out = grouped_attention(q_pad, keys, values, meta.mask, scale)  # (B, Q, Hq, D)
-    else:
-        out = masked_attention(q_pad.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1), meta.mask, scale,
-                               expand_kv=q.is_cuda).transpose(1, 2)  # (B, Q, Hq, D)
+    out = masked_attention(q_pad.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1), meta.mask, scale,
+                           expand_kv=q.is_cuda).transpose(1, 2)  # (B, Q, Hq, D)
     out = out.reshape(batch * num_q, heads, dim)
     return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)
 
@@ -251,8 +248,10 @@ def fresh_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      expand_kv: bool) -> torch.Tensor:
     """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D); mask None:
-    causal (Q == K, every key a new token). SDPA; `paged_attention` sends decode and verify
-    (`use_grouped`) to `grouped_attention` instead.
+    causal (Q == K, every key a new token). SDPA in every dtype: on CPU its bf16 kernel over the
+    head-major gather's (B, Hkv, K, D) views took 7-13% less of a whole bf16 decode step at 1-32
+    requests than a KV head's query heads run as rows of two bf16 matmuls (docs/benchmarks.md,
+    "Session 17").
 
     expand_kv (the CUDA path): give every query head its own view of its KV head instead of
     SDPA's enable_gqa, and run SDPA's memory-efficient kernel. With a mask, enable_gqa falls back
@@ -271,40 +270,6 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-_GROUPED_DTYPES = (torch.bfloat16,)  # where it was measured to pay; fp16 stays on SDPA
-GROUPED_MAX_QUERIES = 16
-
-
-def use_grouped(q: torch.Tensor, num_q: int) -> bool:
-    """Whether a masked pass with `num_q` queries per request goes to `grouped_attention`: bf16
-    on CPU, at most GROUPED_MAX_QUERIES queries per request (decode and verify), where SDPA's CPU
-    flash kernel took 4-8x its fp32 time. Longer queries (prefill over a cached prefix) stay on
-    SDPA, whose blocked kernel never holds the (Q, K) scores whole and was faster from ~64
-    queries on."""
-    return q.device.type == "cpu" and q.dtype in _GROUPED_DTYPES and num_q <= GROUPED_MAX_QUERIES
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """q (B, Q, Hq, D), k/v (Hkv, B, K, D) head-major as the pool gathers them, mask (B, 1, Q, K)
-    bool -> (B, Q, Hq, D), as two batched matmuls in the inputs' dtype (oneDNN's native bf16
-    products, fp32 accumulation) with the scale, mask and softmax in fp32. The G = Hq / Hkv query
-    heads that share a KV head become G * Q rows of one product, so each KV head is read once
-    and never repeated, and the (Hkv * B) keys matrices are read in place.
-
-    On the 2-core AVX512-BF16 CPU, at 16 requests x 1 query x 200 keys (SmolLM2-135M's 9/3
-    heads): 1.7 ms against SDPA's 8.1 ms in bf16 (and SDPA's 1.2 ms in fp32); 1000 keys: 3.3
-    against 33 ms (docs/benchmarks.md)."""
-    b, nq, hq, d = q.shape
-    hkv, nk = k.shape[0], k.shape[2]
-    group = hq // hkv
-    rows = q.view(b, nq, hkv, group, d).permute(2, 0, 3, 1, 4).reshape(hkv * b, group * nq, d)  # (Hkv * B, G * Q, D)
-    scores = torch.bmm(rows, k.view(hkv * b, nk, d).transpose(1, 2))  # (Hkv * B, G * Q, K)
-    scores = scores.view(hkv, b, group, nq, nk).float() * scale
-    scores = scores.masked_fill_(~mask.view(1, b, 1, nq, nk), float("-inf"))
-    probs = scores.softmax(-1).to(v.dtype).view(hkv * b, group * nq, nk)
-    out = torch.bmm(probs, v.view(hkv * b, nk, d))  # (Hkv * B, G * Q, D)
-    return out.view(hkv, b, group, nq, d).permute(1, 3, 0, 2, 4).reshape(b, nq, hq, d)
 
 
 def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from bench.random_models import make_eagle, make_eagle3, make_llama
 
-from models.attention import AttentionMetadata, KVPool
+from models.attention import AttentionMetadata, KVPool, masked_attention
 from models.build import ModelSource, build_draft, build_target, check_target
 from models.loader import CheckpointError, resolve_model
 from models.packed import PackedLinear, can_pack, pack_linears
@@ -300,8 +300,6 @@ def _ragged_batch(slots: Slots) -> tuple[list[Req], list[Req]]:
 def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
     """The CUDA path of masked_attention (each query head given its KV head explicitly, so SDPA
     can use a fused kernel with a mask) equals SDPA's enable_gqa and a plain softmax reference."""
-    from models.attention import masked_attention
-
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, q_len, k_len, d = 3, 5, 11, 16
     q = torch.randn(b, heads, q_len, d, generator=g)
@@ -318,12 +316,10 @@ def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
-def test_grouped_bf16_attention_matches_a_softmax_reference(heads, kv_heads):
-    """grouped_attention, the bf16 CPU decode/verify path (query heads sharing a KV head as rows of
-    one product, keys head-major as the pool gathers them), equals a plain fp32 softmax over the
-    same bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
-    from models.attention import grouped_attention
-
+def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads):
+    """The bf16 CPU decode/verify attention (SDPA over the head-major pool's gather, so keys and
+    values arrive as (B, Hkv, K, D) views of a (Hkv, B, K, D) block) equals a plain fp32 softmax
+    over the same bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, q_len, k_len, d = 3, 5, 11, 16
     q = torch.randn(b, heads, q_len, d, generator=g).bfloat16()
@@ -335,10 +331,10 @@ def test_grouped_bf16_attention_matches_a_softmax_reference(heads, kv_heads):
     kv_of_head = torch.arange(heads) // (heads // kv_heads)
     scores = (q.float() @ k[:, kv_of_head].float().transpose(-1, -2)) * 0.25
     reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head].float()
-    got = grouped_attention(q.transpose(1, 2), k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous(), mask,
-                            0.25)  # (B, Q, Hq, D)
+    pooled_k, pooled_v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (k, v))  # head-major gather
+    got = masked_attention(q, pooled_k, pooled_v, mask, 0.25, expand_kv=False)  # (B, Hq, Q, D)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.transpose(1, 2).float(), reference, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
 
 
 def test_ragged_batch_equals_requests_one_by_one(tiny_target):

@@ -84,6 +84,16 @@ def test_temperature_zero_is_argmax_whatever_the_rest():
         assert torch.equal(tokens, logits.argmax(dim=1))
 
 
+def test_temperature_zero_takes_the_first_of_tied_maxima():
+    """Greedy ties go to the lowest token id, as transformers' argmax does (bf16 logits tie often)."""
+    logits = torch.zeros(3, 4096)
+    logits[0, [7, 300, 4000]] = 2.0
+    logits[1, [0, 4095]] = 1.0
+    logits[2, 1000:] = -1.0  # every id tied below 1000
+    tokens = choose_tokens(logits, *rows_of(3, 0.0, 1.0, 0, 0))
+    assert tokens.tolist() == [7, 0, 0]
+
+
 def test_same_seed_and_position_give_the_same_token():
     logits = random_logits(256, 40)
     args = rows_of(256, 1.0, 0.95, 20, seed=99)
