@@ -15,7 +15,7 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
   batch stays rectangular), the one with the most expected tokens per second,
   sum_b E_b[accepted + 1] / cost(step), a tree's cost including the catch-up its draft needs first
   (the tokens the batch's requests committed in plain steps since they were last drafted for, and
-  the prompt chunks that joined a load decoding plain (`defers_prompts`): the tree that resumes
+  the prompt chunks that joined a load decoding plain (`decodes_plain`): the tree that resumes
   drafting pays it, so a tree that only just beats plain decoding does not resume after a long
   stretch of plain steps). The user's `verify_budget` and `disable_by_batch_size` cap
   it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
@@ -373,7 +373,7 @@ class TreeSizePolicy:
         self.lag.pop(rid, None)
 
     def deferred(self, rid: int, tokens: int) -> None:
-        """Request `rid`'s draft left a prompt chunk of `tokens` waiting (`defers_prompts`); at
+        """Request `rid`'s draft left a prompt chunk of `tokens` waiting (`decodes_plain`); at
         `MAX_DRAFT_LAG` waiting tokens the drafter caught it up instead."""
         lag = self.lag.get(rid, 0) + tokens
         if lag < MAX_DRAFT_LAG:
@@ -381,11 +381,12 @@ class TreeSizePolicy:
         else:
             self.lag.pop(rid, None)
 
-    def defers_prompts(self, batch: int, context_tokens: int) -> bool:
-        """Whether a prompt joining a load of `batch` requests attending to `context_tokens` should
-        leave its draft's extend waiting: where plain decoding is that load's best (the user's caps, or
-        the predicted rates of requests not seen yet), the draft's prefill would cost ~5% of the
-        target's and no tree may use it; the tree that resumes drafting pays its catch-up instead."""
+    def decodes_plain(self, batch: int, context_tokens: int) -> bool:
+        """Whether a load of `batch` requests attending to `context_tokens` decodes plain: the user's caps,
+        or the predicted rates of requests not seen yet. A prompt joining such a load leaves its draft's
+        extend waiting (the draft's prefill would cost ~5% of the target's and no tree may use it; the
+        tree that resumes drafting pays its catch-up instead), and a short one rides in the load's decode
+        step rather than a step of its own (`Scheduler`)."""
         if self.forced is not None:
             return False
         cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)

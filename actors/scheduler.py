@@ -250,9 +250,12 @@ class Scheduler:
         """Whether the prompts to prefill next (partly prefilled ones, then the ones admission would
         take) need at most `short_prefill_tokens` forward tokens in all, prefix-cache hits left out:
         they then run in a step of their own before the running batch's decode. Never twice in a
-        row, so a stream of short prompts cannot stall the running requests."""
+        row, so a stream of short prompts cannot stall the running requests; never where the running
+        batch decodes plain: there the decode step is short, and a step of their own would cost
+        every running request a whole step (the weights read once more) to spare the new ones a
+        few rows (docs/benchmarks.md "Session 18")."""
         limit = min(self.config.short_prefill_tokens, self.config.max_num_batched_tokens)  # one step: done
-        if limit <= 0 or self._after_short_prefill:
+        if limit <= 0 or self._after_short_prefill or self._joins_plain_load():
             return False
         need = sum(len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling)
         room = self.config.max_running_requests - len(self.running) - len(self.prefilling)
@@ -586,7 +589,7 @@ class Scheduler:
             if not requests:
                 return None
             meta = self._prefill_meta(requests, [len(r.slots) for r in requests], lens, slots)
-            if self.config.algorithm.needs_draft_model and self._defers_prompts():
+            if self.config.algorithm.needs_draft_model and self._joins_plain_load():
                 meta.defer_draft.fill_(True)
         except Exception:
             self.slots.free([s for row in slots for s in row])
@@ -594,16 +597,16 @@ class Scheduler:
             raise
         return StepPlan("prefill", requests, meta, self._idle_draft_input(), admitted=admitted)
 
-    def _defers_prompts(self) -> bool:
-        """Whether prompt chunks prefilled now leave the draft's extend waiting: where the policy holds
-        plain decoding best for the load they join (the running and prefilling requests, and the
-        waiting ones that fit beside them: a burst of prompts decodes together once all are in)."""
+    def _joins_plain_load(self) -> bool:
+        """Whether prompts prefilled now join a load the policy decodes plain (the running and
+        prefilling requests, and the waiting ones that fit beside them: a burst of prompts decodes
+        together once all are in): their chunks then leave the draft's extend waiting."""
         room = max(0, self.config.max_running_requests - len(self.running) - len(self.prefilling))
         joining = list(self.prefilling) + list(itertools.islice(self.waiting, room))
         batch = len(self.running) + len(joining)
         context = sum(r.seq_len for r in self.running) + sum(
             len(r.prompt_ids) + max(len(r.output_ids) - 1, 0) for r in joining)  # each one's kv_tokens
-        return self.policy.defers_prompts(batch, context)
+        return self.policy.decodes_plain(batch, context)
 
     def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":
         """Decode of the running batch (or of `rows` of it). When the pool cannot hold the

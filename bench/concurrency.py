@@ -5,9 +5,14 @@ at every load while keeping the fixed constants' gain at small batches.
     python -m bench.concurrency [--levels 1,2,4,8,16,32,64] [--max-tokens 64] [--prompts short,long]
         [--dtypes float32,bfloat16] [--configs serve,serve+fixed/16] [--plot]
 
-Each level submits that many prompts at once, greedy, `ignore_eos` so the batch stays full for all
-`--max-tokens` steps, in waves of distinct prompts until `--prompts-per-level` have run (batch 1 is
-eight prompts one at a time by default: one prompt's acceptance decided a batch-1 figure before).
+Each level keeps that many requests in flight (`--arrival closed`, the default: each finished request's
+place goes to the next prompt at once, as vLLM's and SGLang's `--max-concurrency` clients do) until
+`--rounds` prompts per place and at least `--prompts-per-level` in all have run, greedy, `ignore_eos`
+(batch 1 is eight prompts one at a time by default: one prompt's acceptance decided a batch-1 figure
+before). `--arrival wave` submits the level's prompts at once and waits for all before the next wave:
+plain decoding then finishes a wave's requests in the same step, while speculation spreads them (each
+request accepts at its own rate) and runs the wave's last steps on the few stragglers, at a small
+batch's cost per token; a server under steady load refills those places (docs/benchmarks.md, session 18).
 Prompts: `short`, held-out self-written ones (`train.data.EVAL_SEED`, never
 Spec-Bench, so a cutoff picked from this run is not tuned on the evaluation set); `long`, the
 Spec-Bench summarization and RAG questions (long contexts, where verify rows cost the most;
@@ -55,11 +60,38 @@ from train.data import EVAL_SEED, build_prompt_set
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
 
 
-def run_level(engine, conversations: list[list[dict]], max_tokens: int) -> dict:
+def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> dict:
+    """`conversations` through `engine` with `level` requests in flight (all of them: one wave): a finished
+    request's place goes to the next prompt before the next step (local backend) or as soon as its result
+    is back (Ray). Wall and CPU seconds, tokens, verify steps, token ids in prompt order, and the decode
+    steps per tree size the engine chose meanwhile."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prompts = [engine.encode_chat(c) for c in conversations]
+    outs: list = [None] * len(prompts)
     before = tree_sizes(engine)
     start, cpu = time.perf_counter(), time.process_time()
-    outs = engine.chat(conversations, params)
+    if isinstance(engine, LocalEngine):
+        scheduler, active, queued = engine.scheduler, {}, 0
+        while queued < len(prompts) or active:
+            while queued < len(prompts) and len(active) < level:
+                active[queued] = scheduler.find(scheduler.add_request(prompts[queued], params))
+                queued += 1
+            scheduler.step()
+            for i, request in list(active.items()):
+                if request.finish_reason is not None:
+                    outs[i] = request.output()
+                    del active[i]
+    else:
+        import ray
+
+        pending: dict = {}
+        for i, ids in enumerate(prompts):
+            if len(pending) == level:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                outs[pending.pop(done[0])] = ray.get(done[0])
+            pending[engine.scheduler.generate.remote(ids, params)] = i
+        for ref, i in pending.items():
+            outs[i] = ray.get(ref)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     for out in outs:
         if out.error:
@@ -85,6 +117,14 @@ def waves(level: int, prompts_per_level: int) -> int:
     return max(1, math.ceil(prompts_per_level / level))
 
 
+def level_runs(level: int, prompts_per_level: int, arrival: str = "closed", rounds: int = 3) -> list[tuple[int, int]]:
+    """A level's turns as (prompts, requests in flight): `wave`, its waves of `level` prompts each; `closed`,
+    one turn of `rounds` prompts per place (at least `prompts_per_level`) with `level` in flight."""
+    if arrival == "wave":
+        return [(level, level)] * waves(level, prompts_per_level)
+    return [(max(prompts_per_level, rounds * level), level)]
+
+
 def turn_order(keys: list, turn: int) -> list:
     """The order configs run in on `turn`: reversed every other turn (A B C, C B A, ...), so a machine
     that speeds up or slows down over a level's turns hits every config alike."""
@@ -92,11 +132,10 @@ def turn_order(keys: list, turn: int) -> list:
 
 
 def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
-            repeats: int, prompts_per_level: int = 1) -> dict:
+            repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
-    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `waves` of that many
-    distinct prompts at once (`prompts_per_level` in all, at least); every wave of every repeat, each
-    prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
+    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `level_runs` of
+    distinct prompts; every run of every repeat, each prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
     time, speedup is over `none` in the same dtype and prompts; each run's tokens are checked against
     `none`'s run of the same prompts."""
     engines = {}
@@ -109,12 +148,14 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
             runs = {(kind, *key): [] for kind in prompt_sets for key in engines}
             turn = 0
             for _ in range(repeats):
-                for wave in range(waves(level, prompts_per_level)):
+                first = 0
+                for count, in_flight in level_runs(level, prompts_per_level, arrival, rounds):
                     for kind, conversations in prompt_sets.items():
                         for key in turn_order(list(engines), turn):
-                            batch = conversations[wave * level:(wave + 1) * level]
-                            runs[(kind, *key)].append(run_level(engines[key], batch, max_tokens))
+                            batch = conversations[first:first + count]
+                            runs[(kind, *key)].append(run_level(engines[key], batch, in_flight, max_tokens))
                         turn += 1
+                    first += count
             for (kind, dtype, name), rs in runs.items():
                 reference = runs[(kind, dtype, REFERENCE)]
                 tps = lambda r: sum(x["tokens"] for x in r) / sum(x["wall_s"] for x in r)  # noqa: E731
@@ -188,15 +229,19 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
     p.add_argument("--prompts-per-level", type=int, default=8,
-                   help="prompts each level runs at least: waves of LEVEL prompts at once (batch 1: this many one at a time)")
+                   help="prompts each level runs at least (batch 1: this many one at a time)")
+    p.add_argument("--arrival", default="closed", choices=("closed", "wave"),
+                   help="closed: LEVEL requests in flight, the next prompt taking a finished one's place; "
+                        "wave: LEVEL prompts at once, the next wave after the last of them")
+    p.add_argument("--rounds", type=int, default=3, help="closed arrival: prompts per place at each level")
     p.add_argument("--backend", default="local", choices=("local", "ray"),
                    help="ray: actors as `make serve` runs them (one CPU, so one thread, per actor)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]
-    if min(args.levels) < 1 or args.max_tokens < 1 or args.repeats < 1 or args.prompts_per_level < 1:
-        p.error("--levels, --max-tokens, --repeats and --prompts-per-level must be positive")
+    if min(args.levels) < 1 or min(args.max_tokens, args.repeats, args.prompts_per_level, args.rounds) < 1:
+        p.error("--levels, --max-tokens, --repeats, --prompts-per-level and --rounds must be positive")
     args.prompts = [k.strip() for k in args.prompts.split(",") if k.strip()]
     if not args.prompts or set(args.prompts) - set(PROMPT_SETS):
         p.error(f"--prompts: comma-separated among {', '.join(PROMPT_SETS)}, got {','.join(args.prompts)!r}")
@@ -225,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     names = list(dict.fromkeys([REFERENCE] + [n.strip() for n in args.configs.split(",") if n.strip()]))
-    most = max(level * waves(level, args.prompts_per_level) for level in args.levels)
+    most = max(sum(count for count, _ in level_runs(level, args.prompts_per_level, args.arrival, args.rounds))
+               for level in args.levels)
     prompt_sets = {kind: prompt_set(kind, most, args.questions) for kind in args.prompts}
     if args.kv_slots is None:  # every request of the largest level at once
         encoder = SimpleNamespace(tokenizer=load_tokenizer(ModelSource.resolve(args.model).folder))
@@ -246,14 +292,17 @@ def main(argv: list[str] | None = None) -> dict:
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
         try:
-            results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level)
+            results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
+                              args.arrival, args.rounds)
         finally:
             ray.shutdown()
     else:
-        results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level)
+        results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
+                              args.arrival, args.rounds)
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
-                 "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "prompts": args.prompts,
+                 "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
+                 "rounds": args.rounds, "prompts": args.prompts,
                  "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "prompt_sources": {"short": f"train.data eval seed {EVAL_SEED}",

@@ -63,7 +63,8 @@ class EngineConfig:
     # Waiting prompts whose uncomputed tokens (after the prefix cache) total at most this many run in
     # a prefill step of their own ahead of the running batch's decode, at most one such step between
     # two decode steps: their first token then waits for a short forward, not for a whole
-    # speculative decode step (draft, tree verify, draft extend of every running request). 0: off
+    # speculative decode step (draft, tree verify, draft extend of every running request); where the
+    # running batch decodes plain they ride in its step, which costs them a few rows. 0: off
     # (prompts always ride in the decode step).
     short_prefill_tokens: int = 64
     # Keep finished requests' KV in a tree over token ids, reused by requests sharing a prefix.

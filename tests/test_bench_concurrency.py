@@ -13,13 +13,13 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     out = tmp_path / "concurrency.json"
     result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram,ngram+fixed,ngram+fixed@1",
                                "--levels", "1,2", "--prompts", "short", "--dtypes", "float32", "--max-tokens", "6", "--repeats", "1",
-                               "--prompts-per-level", "2", "--threads", "1", "--out", str(out), "--plot"])
+                               "--prompts-per-level", "2", "--rounds", "1", "--threads", "1", "--out", str(out), "--plot"])
     assert list(result["results"]) == ["short-float32"]
     group = result["results"]["short-float32"]
     assert list(group) == ["none", "ngram", "ngram+fixed", "ngram+fixed@1"]
     for per_level in group.values():
         assert set(per_level) == {"1", "2"}
-        # Two prompts at each level: two waves of one at batch 1, one wave of two.
+        # Two prompts at each level: one at a time at batch 1, both in flight at 2.
         assert per_level["1"]["requests"] == per_level["2"]["requests"] == 2
         assert all(entry["mismatches"] == 0 and entry["tokens_per_s"] > 0 for entry in per_level.values())
     assert all(entry["speedup"] == 1.0 and entry["cpu_ratio"] == 1.0 for entry in group["none"].values())
@@ -34,11 +34,40 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert json.loads(out.read_text()) == result
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
-    assert result["meta"]["prompts_per_level"] == 2
+    assert result["meta"]["prompts_per_level"] == 2 and result["meta"]["arrival"] == "closed"
 
 
-def test_levels_run_waves_of_distinct_prompts_in_alternating_order():
+def test_closed_arrival_keeps_the_level_in_flight_and_outputs_in_prompt_order(tiny_target):
+    from graphs import EngineConfig, SamplingParams, build_graph
+
+    # Prompts of 1-4 chunks of the step's token budget: their requests finish steps apart, so a wave
+    # would run its stragglers alone while prompts still wait.
+    engine = build_graph(EngineConfig(model=str(tiny_target), kv_slots=2048, max_num_batched_tokens=16,
+                                      short_prefill_tokens=0))
+    conversations = [[{"role": "user", "content": "word " * (3 + 12 * (i % 4))}] for i in range(6)]
+    in_flight = []
+    step = engine.scheduler.step
+
+    def counting_step():
+        scheduler = engine.scheduler
+        in_flight.append(len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting))
+        return step()
+
+    engine.scheduler.step = counting_step
+    run = concurrency.run_level(engine, conversations, 2, 6)
+    engine.scheduler.step = step
+    alone = [engine.chat([c], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+             for c in conversations]
+    assert run["token_ids"] == [list(ids) for ids in alone] and run["tokens"] == 6 * 6
+    # Two in flight at every step until the prompts run out, then the last one alone.
+    assert in_flight[0] == 2 and in_flight == sorted(in_flight, reverse=True) and in_flight[-1] == 1
+
+
+def test_levels_run_waves_or_rounds_of_distinct_prompts_in_alternating_order():
     assert [concurrency.waves(level, 8) for level in (1, 2, 3, 8, 64)] == [8, 4, 3, 1, 1]
+    assert concurrency.level_runs(3, 8, "wave") == [(3, 3)] * 3
+    assert concurrency.level_runs(1, 8, "closed", 3) == [(8, 1)]
+    assert concurrency.level_runs(16, 8, "closed", 3) == [(48, 16)]
     assert concurrency.turn_order(["none", "a", "b"], 0) == ["none", "a", "b"]
     assert concurrency.turn_order(["none", "a", "b"], 1) == ["b", "a", "none"]
 

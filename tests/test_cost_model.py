@@ -366,16 +366,16 @@ def test_prompts_defer_their_draft_prefill_where_plain_decoding_is_the_loads_bes
     waiting chunks count towards the catch-up of the tree that resumes, up to MAX_DRAFT_LAG."""
     from actors.cost_model import MAX_DRAFT_LAG
     capped = _policy(disable_by_batch_size=8)
-    assert capped.defers_prompts(16, 16 * 300) and not capped.defers_prompts(4, 4 * 300)  # nothing measured
+    assert capped.decodes_plain(16, 16 * 300) and not capped.decodes_plain(4, 4 * 300)  # nothing measured
 
     def cost(nodes, batch, context):  # verify rows dear at large batches, drafting cheap at small ones
         return 0.05 + 0.001 * batch * nodes + (nodes > 1) * (0.01 + 0.002 * batch)
 
     policy = _probed(cost)
-    assert not policy.defers_prompts(1, 300) and not policy.defers_prompts(2, 600)
-    assert policy.defers_prompts(32, 32 * 300) and policy.defers_prompts(64, 64 * 300)
+    assert not policy.decodes_plain(1, 300) and not policy.decodes_plain(2, 600)
+    assert policy.decodes_plain(32, 32 * 300) and policy.decodes_plain(64, 64 * 300)
     policy.forced = 1
-    assert not policy.defers_prompts(64, 64 * 300)
+    assert not policy.decodes_plain(64, 64 * 300)
     policy.forced = None
     policy.deferred(5, 300)
     policy.deferred(5, 200)

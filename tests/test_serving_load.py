@@ -176,6 +176,29 @@ def test_step_budget_is_validated_by_name():
             EngineConfig(max_num_batched_tokens=bad)
 
 
+@pytest.mark.parametrize("spec, caps", [((None, None, 1, 4, 3), {}),
+                                         (("EAGLE3", "tiny_eagle3_own", 2, 6, 3), {"disable_by_batch_size": 1})],
+                         ids=["none", "eagle3-capped"])
+def test_short_prompt_rides_in_a_plain_decode_step(request, spec, caps):
+    """Where the running batch decodes plain (no speculation, or above the user's
+    disable_by_batch_size), a short arrival rides in its decode step (mixed) rather than taking a
+    step of its own: that step would cost every running request a whole step, while riding along
+    costs a few rows. The tokens are those of the engine that never prefills ahead."""
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    rng = random.Random(4)
+    prompt = lambda n: [rng.randrange(1, 64) for _ in range(n)]  # noqa: E731
+    arrivals = {0: [(prompt(20), greedy), (prompt(9), greedy)], 3: [(prompt(6), greedy)], 6: [(prompt(5), greedy)]}
+    plans = []
+    engine = _engine(request, *spec, short_prefill_tokens=16, **caps)
+    outs = _staggered(engine, arrivals, lambda sched, plan: plans.append((plan.kind, len(sched.running))))
+    off = _engine(request, *spec, short_prefill_tokens=0, **caps)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _staggered(off, arrivals)]
+    assert plans[0] == ("prefill", 0)
+    assert plans[3][0] == plans[6][0] == "mixed"
+    assert [kind for kind, running in plans if kind == "prefill" and running] == []
+    _assert_kv_back(engine.scheduler)
+
+
 def _staggered(engine, arrivals, watch=None):
     """Requests submitted at given steps ({step: [(prompt, params)]}), stepped to the end;
     `watch(scheduler, plan)` sees every committed plan. Returns the outputs in submission order."""
