@@ -35,13 +35,11 @@ class ProbeShape:
 
 # One request at a short context, a batch of them, and a few long-context requests: enough to tell
 # apart the step's fixed, per-request, per-row and per-context costs (`StepCostModel`'s features).
-# The long contexts are 2k tokens at a batch of 2, where verify rows and draft levels start paying
-# for their attention, at the long end of what Spec-Bench summarization and RAG prompts run to (1-2k
-# tokens), so that their costs are interpolated: a context term learnt from one request at 512 tokens
-# was too small to tell, and extrapolated to 16 x 1.5k; learnt at 2 x 1k, it put an 8-node tree of two
-# ~1.5k-token requests at 52-65 ms in bf16 where it took 38-45 (35-40 from 2 x 2k; docs/benchmarks.md
-# "Session 18"). (The probe's prefills, about 5k tokens in all, are most of its cost.)
-DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(16, 64), ProbeShape(2, 2048))
+# The long contexts are 1k tokens at a batch of 2, where verify rows and draft levels start paying
+# for their attention (Spec-Bench summarization and RAG prompts run to 1-2k tokens): a context term
+# learnt from one request at 512 tokens was too small to tell, and extrapolated to 16 x 1.5k. (The
+# probe's prefills, about 3k tokens in all, are most of its cost.)
+DEFAULT_SHAPES = (ProbeShape(1, 64), ProbeShape(16, 64), ProbeShape(2, 1024))
 
 
 # Runs of the plain step before the last full tree: their tokens wait for the draft (a few per request,
