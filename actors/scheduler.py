@@ -255,7 +255,7 @@ class Scheduler:
         every running request a whole step (the weights read once more) to spare the new ones a
         few rows (docs/benchmarks.md "Session 18")."""
         limit = min(self.config.short_prefill_tokens, self.config.max_num_batched_tokens)  # one step: done
-        if limit <= 0 or self._after_short_prefill or self._joins_plain_load():
+        if limit <= 0 or self._after_short_prefill:
             return False
         need = sum(len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling)
         room = self.config.max_running_requests - len(self.running) - len(self.prefilling)
@@ -266,7 +266,7 @@ class Scheduler:
             cached = 0 if self.cache is None else len(
                 self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1])
             need += len(tokens) - cached
-        return 0 < need <= limit
+        return 0 < need <= limit and not self._joins_plain_load()  # the policy's rates last: dearest
 
     def _prefill_work(self) -> bool:
         """Prompts to extend: partly prefilled ones, or waiting ones with room to run."""

@@ -291,14 +291,12 @@ def main(argv: list[str] | None = None) -> dict:
         # Logical CPUs for every config's actors at once (they share the machine's cores).
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
-        try:
-            results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
-                              args.arrival, args.rounds)
-        finally:
-            ray.shutdown()
-    else:
+    try:
         results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
-                              args.arrival, args.rounds)
+                          args.arrival, args.rounds)
+    finally:
+        if args.backend == "ray":
+            ray.shutdown()
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
                  "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
