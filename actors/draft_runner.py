@@ -314,8 +314,13 @@ class DraftRunner:
     def _catch_up(self, prefix: torch.Tensor, prefix_lens: list[int], waiting: list[list[int]]) -> DraftInput:
         """Extend the draft over each request's waiting tokens (`waiting[i]` after the first
         `prefix_lens[i]` of its committed slots `prefix[i]`, (R, L)) in one forward; returns those
-        requests' DraftInput rows."""
-        entries = [self._pending.pop(slot) for slots in waiting for slot in slots]
+        requests' DraftInput rows. Requests that hit one cached prefix share its slots, and may share
+        waiting ones there: each row extends over its own copy of them (the same token, position and
+        target hidden row write the same draft KV), and they stop waiting once all have run."""
+        entries = [self._pending[slot] for slots in waiting for slot in slots]
+        for slots in waiting:
+            for slot in slots:
+                self._pending.pop(slot, None)
         hidden = None if self.input_spec is None else torch.stack([e[3] for e in entries])
         long = lambda i: torch.tensor([e[i] for e in entries], dtype=torch.long)  # noqa: E731
         ext = DraftExtendInput(

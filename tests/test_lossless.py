@@ -227,6 +227,27 @@ def test_a_burst_of_prompts_defers_its_draft_prefill_from_the_first_chunk(tiny_t
     assert [r.output().token_ids for r in reqs] == reference
 
 
+def test_requests_sharing_a_waiting_cached_prefix_catch_up_together(tiny_target, caplog):
+    """A request that ran only plain steps leaves its draft KV waiting, and the prefix cache keeps its
+    tokens; two requests hitting that prefix in one step both end their cached slots in those waiting
+    tokens. The step catches both up (no failed step rerun request by request), and the target as its
+    own draft then accepts its whole tree at every step."""
+    engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, disable_by_batch_size=2, **FIXED_TREES)
+    sched = engine.scheduler
+    first = [[1, 2, 3, 4, 5, 6, 7, 8], [20, 21], [30, 31]]
+    ran_plain = _run_all(engine, first, [3, 3, 3])  # a load of 3 decodes plain: no draft forward ran
+    assert len(sched.executor.drafter._pending) > 0
+    known = first[0] + ran_plain[0].token_ids
+    later = [known + [40], known + [41, 42]]
+    reference = [_run_all(_engine(tiny_target), [p], [11])[0].token_ids for p in later]
+    hits = sched.cache.hit_tokens
+    outs = _run_all(engine, later, [11, 11])
+    assert sched.cache.hit_tokens - hits >= 2 * (len(known) - 1)
+    assert [o.token_ids for o in outs] == reference
+    assert "step failed" not in caplog.text
+    assert [o.num_verify_steps for o in outs] == [1 + 2, 1 + 2]  # the prefill's token, then two full trees of 5
+
+
 @pytest.mark.parametrize("algorithm,draft,topk,n", [("EAGLE3", "tiny_eagle3_shared", 4, 8), ("EAGLE", "tiny_eagle", 2, 5),
                                                      ("NGRAM", None, 1, 5)])
 def test_batch_limits_stay_lossless(request, tiny_target, reference, algorithm, draft, topk, n):
