@@ -399,6 +399,27 @@ class TreeSizePolicy:
         return self._best({n: self.expected_tokens(fresh, n) / self.step_cost(n, batch, context_tokens)
                            for n in candidates}) == 1
 
+    def prefill_ahead_pays(self, rids: list[int], context_tokens: int, prompts: int) -> bool:
+        """Whether `prompts` short prompts should prefill in a step of their own before the decode of
+        the running requests `rids` (attending to `context_tokens`), rather than ride in it: what it
+        spares them (each one's first token comes a decode step sooner) outweighs what it costs the
+        running requests (each one's next token a step's fixed cost later: the weights read once more;
+        the prompts' own rows cost the same either way). At one or two running requests a step of their
+        own pays; at 64 it cost adaptive speculation 9% of its tokens a second, where a prompt arrived
+        almost every step (docs/benchmarks.md, session 19). With fixed trees (not adaptive) it always
+        goes ahead, as it did before."""
+        if not rids or not self.adaptive or self.forced is not None:
+            return True
+        batch = len(rids)
+        cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
+        candidates = [n for n in self.buckets if n <= cap]
+        if any(self.costs.samples(n) == 0 for n in (candidates[0], candidates[-1])):
+            return True  # nothing measured yet
+        cost = {n: self.step_cost(n, batch, context_tokens) for n in candidates}
+        decode = cost[self._best({n: self.expected_tokens(rids, n) / cost[n] for n in candidates})]
+        fixed = self.costs.predict(0.0, 0.0, 0, 0, drafts=False)
+        return batch * fixed <= prompts * decode
+
     @staticmethod
     def _best(rate: dict[int, float]) -> int:
         """The size with the most tokens per second, plain decoding favoured by `PLAIN_MARGIN`."""

@@ -253,11 +253,14 @@ class Scheduler:
         row, so a stream of short prompts cannot stall the running requests; never where the running
         batch decodes plain: there the decode step is short, and a step of their own would cost
         every running request a whole step (the weights read once more) to spare the new ones a
-        few rows (docs/benchmarks.md "Session 18")."""
+        few rows (docs/benchmarks.md "Session 18"); elsewhere only where the policy finds that the
+        wait it spares the new prompts outweighs the delay it costs the running requests
+        (`TreeSizePolicy.prefill_ahead_pays`: one or two running requests, not dozens)."""
         limit = min(self.config.short_prefill_tokens, self.config.max_num_batched_tokens)  # one step: done
         if limit <= 0 or self._after_short_prefill:
             return False
         need = sum(len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling)
+        prompts = len(self.prefilling)
         room = self.config.max_running_requests - len(self.running) - len(self.prefilling)
         for request in list(self.waiting)[: max(room, 0)]:
             if need > limit:
@@ -266,7 +269,12 @@ class Scheduler:
             cached = 0 if self.cache is None else len(
                 self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1])
             need += len(tokens) - cached
-        return 0 < need <= limit and not self._joins_plain_load()  # the policy's rates last: dearest
+            prompts += 1
+        if not 0 < need <= limit:
+            return False
+        # The policy's rates last: dearest.
+        return not self._joins_plain_load() and self.policy.prefill_ahead_pays(
+            [r.rid for r in self.running], sum(r.seq_len for r in self.running), prompts)
 
     def _prefill_work(self) -> bool:
         """Prompts to extend: partly prefilled ones, or waiting ones with room to run."""

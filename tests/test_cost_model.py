@@ -384,6 +384,27 @@ def test_prompts_defer_their_draft_prefill_where_plain_decoding_is_the_loads_bes
     assert policy.catch_up_tokens([5], 8) == 0
 
 
+def test_short_prompts_prefill_ahead_only_of_a_few_running_requests():
+    """A step of their own spares new prompts a decode step's wait and costs each running request a
+    step's fixed part (the weights read once more): with a 20 ms fixed step, worth it ahead of one
+    running request, not ahead of 4 or 64 (where a prompt arrives almost every step), unless as many
+    prompts wait. Fixed trees and an unmeasured policy keep going ahead."""
+    def cost(nodes, batch, context):
+        return 0.020 + 0.0004 * batch * nodes + (nodes > 1) * (0.002 + 0.0005 * batch)
+
+    policy = _probed(cost)
+    assert policy.costs.predict(0.0, 0.0, 0, 0, drafts=False) == pytest.approx(0.020, rel=0.1)
+    assert policy.prefill_ahead_pays([], 0, 1)
+    assert policy.prefill_ahead_pays([0], 300, 1)
+    assert not policy.prefill_ahead_pays(list(range(4)), 4 * 300, 1)
+    assert not policy.prefill_ahead_pays(list(range(64)), 64 * 300, 1)
+    assert policy.prefill_ahead_pays(list(range(4)), 4 * 300, 4)
+    assert _policy().prefill_ahead_pays(list(range(64)), 64 * 300, 1)  # nothing measured yet
+    fixed = _policy(adaptive=False)
+    fixed.costs = policy.costs
+    assert fixed.prefill_ahead_pays(list(range(64)), 64 * 300, 1)
+
+
 def test_the_probe_predicts_one_level_trees_apart_from_deeper_ones():
     """A tree of one draft level runs the draft's extend and top-k head but no beam level; deeper trees
     add a level over every request's beams per depth. Where the extend is most of the draft's cost
