@@ -160,19 +160,22 @@ class StepCostModel:
     verifies n nodes per request in trees L draft levels deep (the trees the target really verified:
     the draft's `min_path_prob` cuts unsure ones short), one decayed linear fit over every step taken:
 
-        cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + i U
+        cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + i U + j C
 
     (fixed per step; per request; per verify row; attention of the rows over the context; D = 1 when
     the step drafts at all: the draft's extend over the accepted tokens and its top-k head, per step
     and per drafted request; V = max(L - 1, 0) beam levels past the first, whose candidates come from
     the extend's head, each over every request's beams; attention of the draft's passes over the
     context, which makes long-context trees dearer on the draft's side too; U = catch-up tokens, those
-    plain steps left waiting (`actors.draft_runner`) that this step's draft must first extend over).
+    plain steps left waiting (`actors.draft_runner`) that this step's draft must first extend over;
+    reading every request's cached K/V once, whatever its rows: without this term a long-context load
+    decoding plain charged its KV reads to the rows, and 8-node trees over 1-2k-token prompts were
+    predicted at 52-65 ms where they took 38-45, docs/benchmarks.md "Session 18").
     A one-level tree runs no beam level: a single levels term charged it a share of the full tree's
     levels and mispredicted it. One fit for all tree sizes, so a plain step measured at this load also
     tells what a tree's fixed and per-request parts cost, and the other way round."""
 
-    NUM_FEATURES = 9
+    NUM_FEATURES = 10
 
     def __init__(self, decay: float = 0.97):
         self.fit = DecayedLinearFit(self.NUM_FEATURES, decay)
@@ -184,7 +187,7 @@ class StepCostModel:
         context = context_tokens / _CONTEXT_UNIT
         d = float(depth > 0 if drafts is None else drafts)
         return [1.0, float(batch), batch * nodes, nodes * context, d, d * batch,
-                max(depth - 1.0, 0.0) * batch, depth * context, float(catch_up)]
+                max(depth - 1.0, 0.0) * batch, depth * context, float(catch_up), context]
 
     def observe(self, nodes: float, depth: float, batch: int, context_tokens: int, seconds: float,
                 catch_up: int = 0, *, drafts: bool | None = None, size: int | None = None) -> None:
