@@ -140,9 +140,13 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
     `none`'s run of the same prompts."""
     engines = {}
     try:
-        for key, cfg in configs.items():
-            engines[key] = build_graph(cfg)
+        # The reference is built last: in one process, engines built earlier step slower (three identical
+        # `none` engines stepped in turns: 37.7 / 37.1 / 36.8 ms at batch 1 and 64.8 / 63.8 / 62.3 ms at 16,
+        # fp32; docs/benchmarks.md, session 19), so a reference built first flattered every config by 1-4%.
+        for key in sorted(configs, key=lambda k: k[1] == REFERENCE):
+            engines[key] = build_graph(configs[key])
             engines[key].chat(next(iter(prompt_sets.values()))[:1], SamplingParams(max_tokens=4, temperature=0.0))
+        engines = {key: engines[key] for key in configs}  # turns and results in the configs' order
         results: dict[str, dict] = {}
         for level in levels:
             runs = {(kind, *key): [] for kind in prompt_sets for key in engines}

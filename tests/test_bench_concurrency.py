@@ -37,6 +37,19 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert result["meta"]["prompts_per_level"] == 2 and result["meta"]["arrival"] == "closed"
 
 
+def test_the_reference_engine_is_built_last(tiny_target, monkeypatch, tmp_path):
+    """Engines built earlier in a process step slower (docs/benchmarks.md, session 19): `none` is built
+    after every other config, so no config gains from being built after it; results keep the order."""
+    built = []
+    real = concurrency.build_graph
+    monkeypatch.setattr(concurrency, "build_graph", lambda cfg: built.append(cfg.algorithm.name) or real(cfg))
+    result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram", "--levels", "1", "--prompts", "short",
+                               "--dtypes", "float32", "--max-tokens", "4", "--repeats", "1", "--prompts-per-level", "1",
+                               "--rounds", "1", "--threads", "1", "--out", str(tmp_path / "c.json")])
+    assert built == ["NGRAM", "NONE"]
+    assert list(result["results"]["short-float32"]) == ["none", "ngram"]
+
+
 def test_closed_arrival_keeps_the_level_in_flight_and_outputs_in_prompt_order(tiny_target):
     from graphs import EngineConfig, SamplingParams, build_graph
 
