@@ -392,15 +392,12 @@ class TreeSizePolicy:
         step rather than a step of its own (`Scheduler`)."""
         if self.forced is not None:
             return False
-        cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
-        if cap == 1:
+        candidates = self._candidates(batch)
+        if candidates == [1]:
             return True
-        candidates = [n for n in self.buckets if n <= cap]
-        if not self.adaptive or any(self.costs.samples(n) == 0 for n in (candidates[0], candidates[-1])):
+        if not self.adaptive or not self._measured(candidates):
             return False
-        fresh = [None] * batch
-        return self._best({n: self.expected_tokens(fresh, n) / self.step_cost(n, batch, context_tokens)
-                           for n in candidates}) == 1
+        return self._best_step([None] * batch, context_tokens, candidates)[0] == 1
 
     def prefill_ahead_pays(self, rids: list[int], context_tokens: int, prompts: int) -> bool:
         """Whether `prompts` short prompts should prefill in a step of their own before the decode of
@@ -413,15 +410,28 @@ class TreeSizePolicy:
         goes ahead, as it did before."""
         if not rids or not self.adaptive or self.forced is not None:
             return True
-        batch = len(rids)
-        cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
-        candidates = [n for n in self.buckets if n <= cap]
-        if any(self.costs.samples(n) == 0 for n in (candidates[0], candidates[-1])):
-            return True  # nothing measured yet
-        cost = {n: self.step_cost(n, batch, context_tokens) for n in candidates}
-        decode = cost[self._best({n: self.expected_tokens(rids, n) / cost[n] for n in candidates})]
+        candidates = self._candidates(len(rids))
+        if not self._measured(candidates):
+            return True
+        decode = self._best_step(rids, context_tokens, candidates)[1]
         fixed = self.costs.predict(0.0, 0.0, 0, 0, drafts=False)
-        return batch * fixed <= prompts * decode
+        return len(rids) * fixed <= prompts * decode
+
+    def _candidates(self, batch: int) -> list[int]:
+        """The size buckets the user's caps allow a step of `batch` requests ([1]: plain only)."""
+        cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
+        return [n for n in self.buckets if n <= cap]
+
+    def _measured(self, candidates: list[int]) -> bool:
+        """Whether the plain step and the largest allowed tree have been timed (the probe or real steps)."""
+        return all(self.costs.samples(n) > 0 for n in (candidates[0], candidates[-1]))
+
+    def _best_step(self, rids: list[int | None], context_tokens: int, candidates: list[int]) -> tuple[int, float]:
+        """Among `candidates`, the size with the most expected tokens per second for `rids` (None: a
+        request not seen yet) attending to `context_tokens`, and its predicted step seconds."""
+        cost = {n: self.step_cost(n, len(rids), context_tokens) for n in candidates}
+        best = self._best({n: self.expected_tokens(rids, n) / cost[n] for n in candidates})
+        return best, cost[best]
 
     @staticmethod
     def _best(rate: dict[int, float]) -> int:
