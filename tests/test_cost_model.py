@@ -129,8 +129,8 @@ def test_small_trees_do_not_drag_down_the_full_trees_prediction():
             policy.observe([rid], 64, 8, None, [3])  # the full tree accepts all 3 levels
             policy.observe([rid], 64, 2, None, [0])  # the 2-node tree's one candidate is rejected
         policy.forget(rid)
-    assert policy.expected_tokens([99], 8) > 3.5
-    assert policy.expected_tokens([99], 2) < 1.5  # its own factor learnt that it rarely pays
+    assert policy.expected_tokens([99], [8])[8] > 3.5
+    assert policy.expected_tokens([99], [2])[2] < 1.5  # its own factor learnt that it rarely pays
 
 
 def test_expensive_rows_and_low_acceptance_mean_plain_decoding():
