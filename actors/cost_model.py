@@ -128,6 +128,7 @@ class DecayedLinearFit:
         self.xx = np.zeros((num_features, num_features))  # (F, F) decayed sum of x x^T
         self.xy = np.zeros(num_features)  # (F,) decayed sum of x y
         self._w: list[float] | None = None  # plain floats: `predict` is a short dot product in Python
+        self._free: list[int] = []  # the features the last solve left free (the rest held at 0)
 
     def observe(self, x: list[float], y: float) -> None:
         v = np.asarray(x, dtype=np.float64)
@@ -138,23 +139,44 @@ class DecayedLinearFit:
         self._w = None
 
     def weights(self) -> list[float]:
-        """The non-negative least-squares weights: solve, drop the most negative weight (held at 0),
-        solve again over the rest, until none is negative (an active-set pass; features are few)."""
+        """The non-negative least-squares weights (Lawson and Hanson's active-set method). It starts from
+        the features the last solve left free: a step moves the fit little, so they are usually still the
+        right ones, and one solve and a gradient check find the optimum (from none free, each feature
+        costs a solve). A feature held at 0 whose weight would lower the error is freed; a free one whose
+        weight would turn negative is moved back to 0 along the way to the new solve."""
         if self._w is None:
             penalty = self.ridge * (self.xx.diagonal() + 1e-9)
             penalty[0] = 1e-12
             a = self.xx + np.diag(penalty)
-            free = list(range(len(self.xy)))
-            w = np.zeros_like(self.xy)
-            while free:
-                w = np.zeros_like(self.xy)
-                w[free] = np.linalg.solve(a[np.ix_(free, free)], self.xy[free])
-                worst = int(np.argmin(w))
-                if w[worst] >= 0:
+            tol = 1e-12 * max(float(np.abs(self.xy).max()), 1e-300)
+            free, w = self._free, self._solve(a, self._free)
+            if w.min() < 0:
+                free, w = [], np.zeros_like(self.xy)
+            for _ in range(3 * len(self.xy)):  # converges in a few; the bound only guards round-off cycles
+                gradient = self.xy - a @ w  # (F,) > 0 where more weight would lower the error
+                held = [k for k in range(len(w)) if k not in free and gradient[k] > tol]
+                if not held:
                     break
-                free.remove(worst)
+                free = sorted(free + [max(held, key=lambda k: gradient[k])])
+                while True:
+                    z = self._solve(a, free)
+                    if free == [] or z[free].min() > 0:
+                        w = z
+                        break
+                    # Move from w towards z until the first free weight reaches 0; hold it there.
+                    step = min(w[k] / (w[k] - z[k]) for k in free if z[k] <= 0)
+                    w = w + step * (z - w)
+                    free = [k for k in free if w[k] > tol]
+            self._free = free
             self._w = [max(float(c), 0.0) for c in w]
         return self._w
+
+    def _solve(self, a: np.ndarray, free: list[int]) -> np.ndarray:
+        """(F,) least squares over the `free` features, the rest held at 0."""
+        w = np.zeros_like(self.xy)
+        if free:
+            w[free] = np.linalg.solve(a[np.ix_(free, free)], self.xy[free])
+        return w
 
     def predict(self, x: list[float]) -> float:
         return sum(map(operator.mul, x, self.weights()))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from actors.cost_model import AcceptanceModel, DecayedLinearFit, TreeSizePolicy, capped_size, size_buckets
 from actors.cost_probe import DEFAULT_SHAPES, probe_sizes
@@ -60,6 +61,29 @@ def test_linear_fit_recovers_a_line():
         for c in (0.5, 2.0):
             fit.observe([1.0, b, c], 0.01 + 0.002 * b + 0.003 * c)
     assert fit.predict([1.0, 40, 1.0]) == pytest.approx(0.01 + 0.08 + 0.003, rel=0.05)
+
+
+def test_linear_fit_is_the_non_negative_optimum_as_the_load_shifts():
+    """Step after step, with the load moving between regimes (so features enter and leave the fit), the
+    weights are the non-negative least-squares optimum: none below 0, the error flat along every free
+    weight and rising along every weight held at 0 (the solve starts from the last step's free features
+    and must notice when one held at 0 should come back)."""
+    rng = random.Random(1)
+    fit = DecayedLinearFit(5, decay=0.9)
+    for step in range(600):
+        batch = (1, 64)[(step // 50) % 2]
+        nodes = rng.choice((1, 2, 8))
+        x = [1.0, batch, batch * nodes, float(nodes > 1), rng.choice((0.0, 30.0))]
+        slope = 0.002 if (step // 150) % 2 else -0.001  # the per-request cost turns negative, then back
+        fit.observe(x, 0.03 + slope * batch + 0.0004 * batch * nodes + 0.002 * (nodes > 1) + 0.001 * rng.random())
+        w = torch.tensor(fit.weights(), dtype=torch.float64)
+        a = torch.tensor(fit.xx, dtype=torch.float64) + torch.diag(fit.ridge * (torch.tensor(fit.xx.diagonal()) + 1e-9))
+        a[0, 0] = fit.xx[0, 0] + 1e-12
+        gradient = torch.tensor(fit.xy) - a @ w  # minus the error's gradient: > 0 where more weight would help
+        scale = float(torch.tensor(fit.xy).abs().max())
+        assert float(w.min()) >= 0
+        assert all(abs(float(g)) <= 1e-9 * scale for g, v in zip(gradient, w) if v > 0), step
+        assert float(gradient.max()) <= 1e-9 * scale, step
 
 
 def test_acceptance_model_is_per_request_and_decayed():
