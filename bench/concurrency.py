@@ -32,7 +32,9 @@ start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick
 --max-tokens 64 --repeats 2 --plot`. Every engine's KV pool holds the largest level of the longest
 prompt at once, so that run's six engines want ~24 GB for 64 long prompts; on a 24 GB machine run the
 short prompts at every level and the long ones up to 16 as two commands (9 and 7 minutes on the
-2-core CPU, docs/benchmarks.md "Session 11").
+2-core CPU, docs/benchmarks.md "Session 11"). With two or more repeats each config has two engines,
+built in mirrored order (`build_order`; `--no-mirror`: one): engines built earlier in a process step
+1-4% slower, which one build order would hand to some configs.
 """
 
 from __future__ import annotations
@@ -131,27 +133,38 @@ def turn_order(keys: list, turn: int) -> list:
     return list(keys) if turn % 2 == 0 else list(reversed(keys))
 
 
+def build_order(keys: list, copies: int) -> list[tuple[int, object]]:
+    """(copy, config key) in the order engines are built: in one process, engines built earlier step
+    slower (three identical `none` engines stepped in turns: 37.7 / 37.1 / 36.8 ms at batch 1 and
+    64.8 / 63.8 / 62.3 ms at 16, fp32; docs/benchmarks.md, session 19; the cause is not found). One copy:
+    the reference last, so no config gains from being built after it. Two: the second copy in the
+    first's reverse order, so every config's copies sit at the same mean position and the bias cancels
+    over the repeats that alternate between them."""
+    first = [(0, key) for key in sorted(keys, key=lambda k: k[1] == REFERENCE)]
+    return first + [(1, key) for _, key in reversed(first)] if copies == 2 else first
+
+
 def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
-            repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3) -> dict:
+            repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3,
+            mirror: bool = True) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
     tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `level_runs` of
     distinct prompts; every run of every repeat, each prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
     time, speedup is over `none` in the same dtype and prompts; each run's tokens are checked against
-    `none`'s run of the same prompts."""
-    engines = {}
+    `none`'s run of the same prompts. `mirror` (with 2+ repeats): two engines per config, built in
+    mirrored order (`build_order`), repeats alternating between them; twice the memory."""
+    copies = 2 if mirror and repeats >= 2 else 1
+    built = {}
     try:
-        # The reference is built last: in one process, engines built earlier step slower (three identical
-        # `none` engines stepped in turns: 37.7 / 37.1 / 36.8 ms at batch 1 and 64.8 / 63.8 / 62.3 ms at 16,
-        # fp32; docs/benchmarks.md, session 19), so a reference built first flattered every config by 1-4%.
-        for key in sorted(configs, key=lambda k: k[1] == REFERENCE):
-            engines[key] = build_graph(configs[key])
-            engines[key].chat(next(iter(prompt_sets.values()))[:1], SamplingParams(max_tokens=4, temperature=0.0))
-        engines = {key: engines[key] for key in configs}  # turns and results in the configs' order
+        for copy, key in build_order(list(configs), copies):
+            built[copy, key] = engine = build_graph(configs[key])
+            engine.chat(next(iter(prompt_sets.values()))[:1], SamplingParams(max_tokens=4, temperature=0.0))
         results: dict[str, dict] = {}
         for level in levels:
-            runs = {(kind, *key): [] for kind in prompt_sets for key in engines}
+            runs = {(kind, *key): [] for kind in prompt_sets for key in configs}
             turn = 0
-            for _ in range(repeats):
+            for repeat in range(repeats):
+                engines = {key: built[repeat % copies, key] for key in configs}  # turns in the configs' order
                 first = 0
                 for count, in_flight in level_runs(level, prompts_per_level, arrival, rounds):
                     for kind, conversations in prompt_sets.items():
@@ -184,7 +197,7 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
                       file=sys.stderr)
         return results
     finally:
-        for engine in engines.values():
+        for engine in built.values():
             engine.shutdown()
 
 
@@ -232,6 +245,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--dtypes", default=None, help="comma-separated dtypes, each config in each (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
+    p.add_argument("--mirror", action=argparse.BooleanOptionalAction, default=True,
+                   help="with 2+ repeats, two engines per config built in mirrored order, repeats alternating "
+                        "between them, so the build-order bias cancels (twice the memory)")
     p.add_argument("--prompts-per-level", type=int, default=8,
                    help="prompts each level runs at least (batch 1: this many one at a time)")
     p.add_argument("--arrival", default="closed", choices=("closed", "wave"),
@@ -297,14 +313,14 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
     try:
         results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
-                          args.arrival, args.rounds)
+                          args.arrival, args.rounds, args.mirror)
     finally:
         if args.backend == "ray":
             ray.shutdown()
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
                  "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
-                 "rounds": args.rounds, "prompts": args.prompts,
+                 "rounds": args.rounds, "prompts": args.prompts, "mirror": args.mirror and args.repeats >= 2,
                  "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "prompt_sources": {"short": f"train.data eval seed {EVAL_SEED}",

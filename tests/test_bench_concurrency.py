@@ -37,17 +37,29 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert result["meta"]["prompts_per_level"] == 2 and result["meta"]["arrival"] == "closed"
 
 
-def test_the_reference_engine_is_built_last(tiny_target, monkeypatch, tmp_path):
-    """Engines built earlier in a process step slower (docs/benchmarks.md, session 19): `none` is built
-    after every other config, so no config gains from being built after it; results keep the order."""
-    built = []
-    real = concurrency.build_graph
-    monkeypatch.setattr(concurrency, "build_graph", lambda cfg: built.append(cfg.algorithm.name) or real(cfg))
-    result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram", "--levels", "1", "--prompts", "short",
-                               "--dtypes", "float32", "--max-tokens", "4", "--repeats", "1", "--prompts-per-level", "1",
-                               "--rounds", "1", "--threads", "1", "--out", str(tmp_path / "c.json")])
+def test_engines_are_built_so_that_build_order_favours_no_config(tiny_target, monkeypatch, tmp_path):
+    """Engines built earlier in a process step slower (docs/benchmarks.md, session 19). One repeat: `none`
+    is built after every other config, so no config gains from being built after it. Two: each config
+    has two engines built in mirrored order (the same mean position for every config), and the repeats
+    alternate between them. Results keep the configs' order."""
+    built, ran = [], []
+    real_build, real_run = concurrency.build_graph, concurrency.run_level
+    monkeypatch.setattr(concurrency, "build_graph", lambda cfg: built.append(cfg.algorithm.name) or real_build(cfg))
+    monkeypatch.setattr(concurrency, "run_level", lambda engine, *a: ran.append(engine) or real_run(engine, *a))
+    argv = ["--model", str(tiny_target), "--configs", "ngram", "--levels", "1", "--prompts", "short", "--dtypes",
+            "float32", "--max-tokens", "4", "--prompts-per-level", "1", "--rounds", "1", "--threads", "1",
+            "--out", str(tmp_path / "c.json")]
+    result = concurrency.main(argv + ["--repeats", "1"])
     assert built == ["NGRAM", "NONE"]
     assert list(result["results"]["short-float32"]) == ["none", "ngram"]
+    built.clear(), ran.clear()
+    result = concurrency.main(argv + ["--repeats", "2"])
+    assert built == ["NGRAM", "NONE", "NONE", "NGRAM"]
+    assert len(ran) == 4 and len({id(e) for e in ran}) == 4  # each repeat on its own copy of each config
+    assert list(result["results"]["short-float32"]) == ["none", "ngram"] and result["meta"]["mirror"]
+    built.clear()
+    concurrency.main(argv + ["--repeats", "2", "--no-mirror"])
+    assert built == ["NGRAM", "NONE"]
 
 
 def test_closed_arrival_keeps_the_level_in_flight_and_outputs_in_prompt_order(tiny_target):
