@@ -243,7 +243,13 @@ class AcceptanceModel:
       was, over all requests (learnt from full-tree steps);
     * per smaller tree size n, g_n: what it accepts relative to the full tree for the same request
       (fewer candidates per depth catch fewer target tokens), decayed over all requests, starting
-      from `untried_scale`;
+      from `untried_scale`, from its own steps (against m_r's prediction of the full tree) and from
+      every full-tree step: the full tree's nodes are ranked best first and the n-node tree is its
+      first n, so the accepted nodes below n are exactly what that tree would have accepted
+      (`DraftExtendInput.accepted_nodes`). From its own steps alone, g_n and m_r taught each other:
+      at two requests g_5 drifted to 1 while the 5-node tree accepted 10% less than the full one,
+      and 5-node trees ran ~40% of the steps, 3-5% slower than the full tree (docs/benchmarks.md,
+      session 20);
     * per request, m_r: its accepted draft tokens over what the other two factors predicted, decayed,
       from its drafting steps of any size, starting from agreement.
 
@@ -255,8 +261,11 @@ class AcceptanceModel:
 
     def __init__(self, full_size: int, max_depth: int, decay: float = 0.95, request_decay: float = 0.8,
                  size_decay: float = 0.9, prior: float = 0.5, untried_scale: float = UNTRIED_SCALE,
-                 prior_tokens: float = PRIOR_TOKENS, request_prior_tokens: float = REQUEST_PRIOR_TOKENS):
+                 prior_tokens: float = PRIOR_TOKENS, request_prior_tokens: float = REQUEST_PRIOR_TOKENS,
+                 sizes: list[int] | None = None):
         self.full_size = full_size
+        # the smaller trees whose g_n the full tree's steps measure (default: every size that drafts)
+        self.smaller = [n for n in (sizes or range(2, full_size)) if 1 < n < full_size]
         self.decay, self.request_decay, self.size_decay = decay, request_decay, size_decay
         self.untried_scale, self.prior_tokens = untried_scale, prior_tokens
         self.request_prior_tokens = request_prior_tokens
@@ -267,7 +276,9 @@ class AcceptanceModel:
         # the same counts over smaller trees' steps: a floor under the prior (see `_rates`)
         self.small_sums = [(0.0, 0.0)] * max_depth
         self._set_rates()
-        self.size_sums: dict[int, tuple[float, float]] = {}  # n -> decayed (accepted, predicted by m_r q)
+        # n -> decayed (accepted, predicted for the full tree): its own steps' accepted drafts against m_r q's
+        # prediction, and full-tree steps' accepted nodes below n against all they accepted
+        self.size_sums: dict[int, tuple[float, float]] = {}
         self.request_sums: dict[int, tuple[float, float]] = {}  # rid -> decayed (accepted, predicted by g_n q)
 
     def _rates(self) -> list[float]:
@@ -308,7 +319,8 @@ class AcceptanceModel:
 
     def size_factor(self, nodes: int) -> float:
         """g_n (1 for the full tree), at most 1: a smaller tree's nodes are the full tree's best ones
-        (`actors.draft_runner.select_tree`), so it never accepts more than the full tree would."""
+        (`actors.draft_runner.select_tree`), so it never accepts more than the full tree would. From
+        `prior_tokens` of the full tree's accepted tokens at `untried_scale`."""
         if nodes == self.full_size:
             return 1.0
         seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
@@ -329,9 +341,11 @@ class AcceptanceModel:
         scale, cap = self.size_factor(nodes) * self.full_tree(depth), float(depth)
         return sum(min(cap, m * scale) for m in multipliers)
 
-    def observe(self, rids: list[int], nodes: int, drafted_depth: int, accepted: list[int]) -> None:
+    def observe(self, rids: list[int], nodes: int, drafted_depth: int, accepted: list[int],
+                accepted_nodes: list[list[int]] | None = None) -> None:
         """One verify step of a tree of `nodes` reaching `drafted_depth` for each of `rids`, which accepted
-        `accepted[b]` draft tokens. The full tree's depths past a first rejection say nothing."""
+        `accepted[b]` draft tokens, at ranked tree nodes `accepted_nodes[b]` (-1 pads; None: not known).
+        The full tree's depths past a first rejection say nothing."""
         if drafted_depth <= 0:
             return
         base, factor = self.full_tree(drafted_depth), self.size_factor(nodes)
@@ -339,6 +353,12 @@ class AcceptanceModel:
             seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
             levels = sum(self.multiplier(rid) for rid in rids) * base
             self.size_sums[nodes] = (self.size_decay * seen + sum(accepted), self.size_decay * predicted + levels)
+        elif accepted_nodes is not None:
+            kept = [node for path in accepted_nodes for node in path if node > 0]
+            for n in self.smaller:
+                seen, whole = self.size_sums.get(n, (0.0, 0.0))
+                self.size_sums[n] = (self.size_decay * seen + sum(node < n for node in kept),
+                                     self.size_decay * whole + len(kept))
         for rid, a in zip(rids, accepted):
             seen, predicted = self.request_sums.get(rid, (0.0, 0.0))
             self.request_sums[rid] = (self.request_decay * seen + a, self.request_decay * predicted + factor * base)
@@ -385,7 +405,7 @@ class TreeSizePolicy:
 
     def _reset_learning(self) -> None:
         """Forget acceptance and choices (what the probe's dummy requests taught); costs stay."""
-        self.acceptance = AcceptanceModel(self.tree_size, max(self.draft_depth, 1))
+        self.acceptance = AcceptanceModel(self.tree_size, max(self.draft_depth, 1), sizes=self.buckets)
         self.step = 0
         self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at
@@ -583,15 +603,20 @@ class TreeSizePolicy:
         return nodes
 
     def observe(self, rids: list[int], context_tokens: int, nodes: int, seconds: float | None,
-                accepted: list[int], verified: tuple[int, int] | None = None) -> None:
+                accepted: list[int], verified: tuple[int, int] | None = None,
+                accepted_nodes: list[list[int]] | None = None) -> None:
         """A decode step chose `nodes` per request and ran in `seconds` (None: not timed alone); each
-        request accepted `accepted[b]` draft tokens; `verified`: the (nodes, depth) of the widest tree
-        the target verified (default: the uncut tree of `nodes`)."""
+        request accepted `accepted[b]` draft tokens, at ranked tree nodes `accepted_nodes[b]` (-1 pads;
+        None: not known); `verified`: the (nodes, depth) of the widest tree the target verified
+        (default: the uncut tree of `nodes`)."""
         depth = self.depth(nodes)
         width, verified_depth = verified if verified is not None else (nodes, depth)
         if depth:
-            self.acceptance.observe(rids, nodes, depth, accepted)
-            self.evidence[nodes] = self.evidence.get(nodes, 0) + len(rids)
+            self.acceptance.observe(rids, nodes, depth, accepted, accepted_nodes)
+            # A full tree's accepted nodes also measure every smaller tree's acceptance.
+            taught = self.acceptance.smaller + [nodes] if nodes == self.tree_size and accepted_nodes else [nodes]
+            for n in taught:
+                self.evidence[n] = self.evidence.get(n, 0) + len(rids)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
             lag = self.lag.get(rid, 0) + 1 if depth == 0 else 0

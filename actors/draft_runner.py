@@ -494,12 +494,14 @@ def confident_nodes(scores: torch.Tensor, min_path_prob: float) -> int:
 def select_tree(root: torch.Tensor, seq_lens: torch.Tensor, scores: torch.Tensor, tokens: torch.Tensor,
                 parents: torch.Tensor, tree_size: int) -> VerifyInput:
     """Keep the tree_size - 1 best candidates of each request's pool (scores/tokens/parents
-    (B, P), parents as pool indices, -1 under the root). A child's score never exceeds its
-    parent's, a parent precedes its children in the pool, and a stable sort breaks ties by pool
-    order, so the kept set contains every kept node's parent."""
+    (B, P), parents as pool indices, -1 under the root), as nodes 1.. in that rank order. A
+    child's score never exceeds its parent's, a parent precedes its children in the pool, and a
+    stable sort breaks ties by pool order, so the kept set contains every kept node's parent and
+    parents come first. Ranked nodes make every smaller tree a prefix: the tree of the n best is
+    nodes 0..n-1, so a verified tree tells what each smaller one would have accepted
+    (`DraftExtendInput.accepted_nodes`)."""
     batch = root.shape[0]
-    order = torch.sort(-scores, dim=1, stable=True).indices[:, : tree_size - 1]
-    kept = order.sort(dim=1).values  # (B, N-1) pool indices, parents first
+    kept = torch.sort(-scores, dim=1, stable=True).indices[:, : tree_size - 1]  # (B, N-1) pool indices, best first
     node_of_pool = torch.zeros_like(scores, dtype=torch.long)
     node_of_pool.scatter_(1, kept, torch.arange(1, tree_size).expand(batch, -1))
     pool_parent = parents.gather(1, kept)

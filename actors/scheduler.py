@@ -658,7 +658,7 @@ class Scheduler:
             request.draft_depths.append(depth)
         verified = (int(ext.tree_nodes.max()), int(ext.tree_depths.max())) if ext.num_requests else None
         self.policy.observe([r.rid for r in plan.requests], int(plan.meta.seq_lens.sum()), nodes, seconds,
-                            ext.accept_lens.tolist(), verified)
+                            ext.accept_lens.tolist(), verified, ext.accepted_nodes.tolist())
 
     def plan_resync(self) -> "StepPlan":
         """Re-prefill every running request into fresh runners (after an actor restart), the

@@ -172,14 +172,16 @@ class TargetRunner:
             logits, per_row(meta.temperature), per_row(meta.top_p), per_row(meta.top_k), per_row(meta.seeds),
             verify.positions.reshape(-1) + 1, per_row(meta.min_p), processors=processors,
         ).view(batch, n)
-        rows, next_tokens, accept_lens = [], [], []
+        rows, next_tokens, accept_lens, paths = [], [], [], []
         for b in range(batch):
             path, bonus = accept_tree(verify.draft_tokens[b].tolist(), verify.parents[b].tolist(), target_tokens[b].tolist())
+            paths.append(path)
             rows.extend(b * n + node for node in path)
             next_tokens.extend(verify.draft_tokens[b, path[1:]].tolist() + [bonus])
             accept_lens.append(len(path) - 1)
         rows_t = torch.tensor(rows, dtype=torch.long)
         next_t = torch.tensor(next_tokens, dtype=torch.long)
+        most = max(accept_lens, default=0)
         return DraftExtendInput(
             tokens=verify.draft_tokens.reshape(-1)[rows_t],
             next_tokens=next_t,
@@ -192,6 +194,8 @@ class TargetRunner:
             tree_nodes=torch.full((batch,), n, dtype=torch.long),
             # A node's depth is its position past the root's (positions (B, N), the root's first).
             tree_depths=(verify.positions.max(dim=1).values - verify.positions[:, 0]).cpu(),
+            accepted_nodes=torch.tensor([path[1:] + [-1] * (most - len(path) + 1) for path in paths],
+                                        dtype=torch.long).view(batch, most),
         )
 
 

@@ -172,6 +172,10 @@ class DraftExtendInput:
     tree_nodes:    (B,)      nodes the target verified for each request, root included (its tree after
                              the draft's `min_path_prob` cut; 0 for prefill): what the step really cost
     tree_depths:   (B,)      depth of each verified tree (its deepest node's distance from the root; 0 for prefill)
+    accepted_nodes:(B, A)    tree node of each accepted draft token, -1 past accept_lens (A: the most
+                             accepted; 0 for prefill). Nodes are ranked best first (`select_tree`), so
+                             the tree of the n best would have accepted those below n: what each
+                             smaller tree keeps of this one's acceptance, measured (`actors.cost_model`)
     """
 
     tokens: torch.Tensor
@@ -186,6 +190,7 @@ class DraftExtendInput:
     top_ids: torch.Tensor | None = None
     tree_nodes: torch.Tensor | None = None
     tree_depths: torch.Tensor | None = None
+    accepted_nodes: torch.Tensor | None = None
 
     _TOKEN_FIELDS = ("tokens", "next_tokens", "positions", "slots", "hidden_states")
     _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "top_ids")
@@ -200,6 +205,8 @@ class DraftExtendInput:
         for name in ("tree_nodes", "tree_depths"):  # no tree verified (prefill, catch-up)
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros_like(self.extend_lens))
+        if self.accepted_nodes is None:
+            self.accepted_nodes = torch.zeros((self.num_requests, 0), dtype=torch.long)
 
     @classmethod
     def create_idle(cls, spec: HiddenStateSpec | None) -> "DraftExtendInput":
@@ -247,6 +254,7 @@ class DraftExtendInput:
         merged["top_logprobs"] = _cat_padded(self.top_logprobs, other.top_logprobs, 0)
         merged["top_ids"] = _cat_padded(self.top_ids, other.top_ids, 0)
         merged.update({n: torch.cat([getattr(self, n), getattr(other, n)]) for n in self._REQUEST_FIELDS})
+        merged["accepted_nodes"] = _cat_padded(self.accepted_nodes, other.accepted_nodes, -1)
         return replace(self, **merged)
 
     def filter(self, keep: Keep) -> "DraftExtendInput":
@@ -260,7 +268,7 @@ class DraftExtendInput:
             n: None if getattr(self, n) is None else getattr(self, n).index_select(0, rows.to(getattr(self, n).device))
             for n in (*self._TOKEN_FIELDS, *self._LOGPROB_FIELDS)
         }
-        kept.update({n: getattr(self, n)[index] for n in self._REQUEST_FIELDS})
+        kept.update({n: getattr(self, n)[index] for n in (*self._REQUEST_FIELDS, "accepted_nodes")})
         return replace(self, **kept)
 
 

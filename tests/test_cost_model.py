@@ -20,12 +20,19 @@ def _policy(**kw) -> TreeSizePolicy:
 
 def _feed(policy: TreeSizePolicy, rids: list[int], context: int, cost, accept, steps: int = 30) -> list[int]:
     """Run `steps` decode steps through the policy: each verifies what it chose, costs cost(nodes, batch)
-    seconds and accepts accept(nodes) tokens per request. Returns the sizes chosen."""
+    seconds and accepts accept(nodes) tokens per request; a full tree's accepted nodes are ranked so
+    that each smaller tree of n nodes would have accepted accept(n) of them. Returns the sizes chosen."""
     chosen = []
     for _ in range(steps):
         nodes = policy.choose(rids, context)
         chosen.append(nodes)
-        policy.observe(rids, context, nodes, cost(nodes, len(rids)), [accept(nodes)] * len(rids))
+        accepted, path = accept(nodes), None
+        if nodes == policy.tree_size:  # the d-th accepted node is the last of the smallest tree accepting d
+            smaller = {n: accept(n) for n in range(2, nodes)}
+            path = [min([n for n, a in smaller.items() if a >= d] + [nodes]) - 1 for d in range(1, accepted + 1)]
+            path = [max(node, depth) for depth, node in enumerate(path, 1)]  # a node's rank is at least its depth
+        policy.observe(rids, context, nodes, cost(nodes, len(rids)), [accepted] * len(rids),
+                       accepted_nodes=None if path is None else [path] * len(rids))
     return chosen
 
 def _probed(cost) -> TreeSizePolicy:
@@ -116,6 +123,18 @@ def test_a_requests_small_trees_tell_what_its_full_tree_would_accept():
     # steps never reached, does take the floor the small trees' depth-2 acceptance sets: `_rates`).
     assert model.multiplier(3) == pytest.approx(1.0)
     assert model.expected(3, 8, 3) < model.expected(2, 8, 3) / 2
+
+
+def test_a_full_trees_accepted_nodes_measure_each_smaller_trees_share():
+    """Full-tree steps whose requests accept their best-ranked node and then the 5th (nodes 1 and 5):
+    a tree of 2 to 5 nodes would keep one of the two, a larger one both. That is what each size's
+    factor learns, with no step of the smaller trees run."""
+    model = AcceptanceModel(full_size=8, max_depth=3, sizes=[1, 2, 3, 4, 5, 8])
+    for step in range(40):
+        model.observe([0, 1], 8, 3, [2, 2], accepted_nodes=[[1, 5], [1, 5]])
+    assert all(model.size_factor(n) == pytest.approx(0.5, abs=0.03) for n in (2, 3, 4, 5))  # 4 prior tokens at 0.75
+    assert model.size_factor(8) == 1.0
+    assert model.expected(0, 5, 3) == pytest.approx(model.expected(0, 8, 3) / 2, rel=0.05)
 
 
 def test_a_small_tree_is_never_predicted_to_accept_more_than_the_full_tree():

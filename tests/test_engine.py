@@ -216,8 +216,8 @@ def test_ngram_branch_is_kept_first_and_reuses_the_draft_tree():
     tree = select_tree(torch.tensor([5, 5]), torch.tensor([7, 7]), *pool, tree_size=4)
     # Request 0's branch 10 -> 13 -> 14 takes the tree: 10 and 13 are the pool's own nodes, 14 is new.
     assert tree.draft_tokens[0].tolist() == [5, 10, 13, 14] and tree.parents[0].tolist() == [-1, 0, 1, 2]
-    # Request 1 matched nothing: the model's three best candidates, as without a branch.
-    assert tree.draft_tokens[1].tolist() == [5, 10, 11, 12] and tree.parents[1].tolist() == [-1, 0, 0, 1]
+    # Request 1 matched nothing: the model's three best candidates, as without a branch, best first.
+    assert tree.draft_tokens[1].tolist() == [5, 10, 12, 11] and tree.parents[1].tolist() == [-1, 0, 1, 0]
     assert tree.positions[0].tolist() == [7, 8, 9, 10]
 
 

@@ -112,3 +112,41 @@ def test_chunks_preemption_and_cache_hits_stay_lossless(reference):
     assert [o.token_ids for o in engine.chat(second, params)] == [o.token_ids for o in plain.chat(second, params)]
     assert engine.scheduler.cache.hit_tokens > sum(len(o.token_ids) for o in outs)
     assert engine.scheduler.num_free_slots == 160
+
+
+def test_a_full_trees_accepted_nodes_are_what_each_smaller_tree_accepts():
+    """The full tree's nodes are ranked best first, so its accepted nodes below n are what the tree of
+    its n best nodes accepts (what the adaptive policy learns each smaller size's acceptance from):
+    on each prompt's first decode step (the same context for every engine), the shipped EAGLE-3 head's
+    8-node tree against trees capped at 3 and 5 nodes."""
+    prompts = CONVERSATIONS + [[{"role": "user", "content": q}] for q in (
+        "Name the planets of the solar system.", "What is 12 times 12?", "Translate 'good morning' into French.",
+        "Write one sentence about the sea.")]
+    draft = dict(speculative_algorithm="EAGLE3", draft_model="smollm2-135m-instruct-eagle3", eagle_topk=4,
+                 num_draft_tokens=8, adaptive_speculation=False)
+
+    def first_steps(engine) -> list[tuple[int, list[int]]]:
+        """Per prompt, its first decode step's (accepted drafts, accepted tree nodes)."""
+        sched, seen = engine.scheduler, []
+        observe = sched._observe_decode
+        sched._observe_decode = lambda plan, ext, s: seen.append(ext) or observe(plan, ext, s)
+        out = []
+        for conversation in prompts:
+            seen.clear()
+            sched.add_request(engine.encode_chat(conversation), SamplingParams(max_tokens=4, temperature=0.0))
+            while not seen:
+                sched.step()
+            while sched.has_unfinished():
+                sched.step()
+            ext = seen[0]
+            out.append((int(ext.accept_lens[0]), [n for n in ext.accepted_nodes[0].tolist() if n >= 0]))
+        return out
+
+    full = first_steps(_engine(**draft))
+    assert all(len(nodes) == accepted and nodes == sorted(set(nodes)) and min(nodes, default=1) >= 1
+               for accepted, nodes in full)
+    assert sum(accepted for accepted, _ in full) >= len(prompts)  # the shipped head is accepted
+    for cap in (3, 5):
+        small = first_steps(_engine(verify_budget=cap, **draft))
+        assert [accepted for accepted, _ in small] == [sum(n < cap for n in nodes) for _, nodes in full]
+    assert any(sum(n < 3 for n in nodes) < accepted for accepted, nodes in full)  # a 3-node tree keeps less
