@@ -104,7 +104,7 @@ class AttentionMetadata:
         prefix_lens, new_lens = prefix_lens.long().cpu(), new_lens.long().cpu()
         batch, trees = int(new_lens.shape[0]), 0 if tree_masks is None else int(tree_masks.shape[0])
         fresh = trees == 0 and not bool(prefix_lens.any())  # unpadded already
-        runs = [] if fresh else _query_runs(new_lens)
+        runs = [] if fresh else _query_runs(new_lens, trees)
         if len(runs) > 1:
             return cls._in_parts(runs, prefix_slots, prefix_lens, new_slots, new_lens, positions, tree_masks, device)
         out_slots, positions = new_slots.long().to(device), positions.to(device)
@@ -165,17 +165,20 @@ class AttentionMetadata:
                    mask=empty.bool(), q_index=empty, out_rows=empty, padded=False, parts=parts)
 
 
-# Requests with more new tokens than this (prefill chunks) attend apart from the others.
+# Prompt chunks with more new tokens than this attend apart from shorter ones.
 LONG_QUERIES = 16
 
 
-def _query_runs(new_lens: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) request ranges of consecutive requests alike in having more than LONG_QUERIES
-    new tokens or not: one range for an ordinary decode or prefill step, two for a mixed step
-    (its decode rows first, then its prefill chunks)."""
-    long = (new_lens > LONG_QUERIES).tolist()
-    cuts = [i for i in range(1, len(long)) if long[i] != long[i - 1]]
-    bounds = [0, *cuts, len(long)]
+def _query_runs(new_lens: torch.Tensor, trees: int = 0) -> list[tuple[int, int]]:
+    """(start, end) request ranges of consecutive requests alike: the first `trees` (verify trees),
+    one-token rows (plain decode), chunks of at most LONG_QUERIES tokens, longer chunks. One range for
+    an ordinary decode or prefill step, two for a mixed step (its decode rows first, then its prompt
+    chunks): each range pads its queries to its longest, and a short prompt riding in a plain decode
+    step of 31 requests padded every decode row to its length (a 12-token prompt cost the step 49 ms,
+    24 apart, fp32; docs/benchmarks.md, session 20)."""
+    kinds = [0 if i < trees else 1 if n == 1 else 2 if n <= LONG_QUERIES else 3 for i, n in enumerate(new_lens.tolist())]
+    cuts = [i for i in range(1, len(kinds)) if kinds[i] != kinds[i - 1]]
+    bounds = [0, *cuts, len(kinds)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 

@@ -392,24 +392,26 @@ def test_fresh_prefills_of_several_lengths_match_transformers(pair):
 
 
 def test_mixed_step_attends_in_parts_and_matches_transformers(pair):
-    """A mixed step's batch: verify trees and a decode first, then prompt chunks longer than
-    LONG_QUERIES (one over a prefix, one from scratch). It attends in two parts (the short rows
-    are not padded to the chunks' length) and every request equals transformers."""
+    """A mixed step's batch: a verify tree and a decode first, then a short prompt chunk and chunks
+    longer than LONG_QUERIES (one over a prefix, one from scratch). It attends in four parts (no
+    request's queries are padded to a longer kind's: the decode row to the tree's or the chunk's) and
+    every request equals transformers."""
     from models.attention import LONG_QUERIES
 
     slots, kv = Slots(seed=9), garbage_pool(pair.ours, seed=9)
-    p1, p2, p3 = (prefill_req(rand_tokens(n, seed=40 + n), slots) for n in (8, 5, 11))
-    for prefix in (p1, p2, p3):
+    p1, p2, p3, p4 = (prefill_req(rand_tokens(n, seed=40 + n), slots) for n in (8, 5, 11, 4))
+    for prefix in (p1, p2, p3, p4):
         ours_forward(pair.ours, kv, [prefix])
     batch = [
         tree_req(p1, rand_tokens(5, seed=51), [-1, 0, 0, 1, 2], slots),
         prefill_req(rand_tokens(1, seed=52), slots, prefix=p2),
+        prefill_req(rand_tokens(6, seed=55), slots, prefix=p4),
         prefill_req(rand_tokens(LONG_QUERIES + 7, seed=53), slots, prefix=p3),
         prefill_req(rand_tokens(LONG_QUERIES + 3, seed=54), slots),
     ]
     meta = AttentionMetadata.build([r.prefix_slots for r in batch], [r.slots for r in batch],
                                    torch.cat([r.positions for r in batch]), [r.mask for r in batch])
-    assert [(a, b) for a, b, _ in meta.parts] == [(0, 6), (6, 6 + 2 * LONG_QUERIES + 10)]
+    assert [(a, b) for a, b, _ in meta.parts] == [(0, 5), (5, 6), (6, 12), (12, 12 + 2 * LONG_QUERIES + 10)]
     batched, _ = ours_forward(pair.ours, kv, batch)
     for b, req in enumerate(batch):
         assert_close(batched[b], hf_expected(pair.hf, req), what=f"mixed request {b}")
