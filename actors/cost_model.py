@@ -355,11 +355,15 @@ class AcceptanceModel:
             levels = sum(self.multiplier(rid) for rid in rids) * base
             self.size_sums[nodes] = (self.size_decay * seen + sum(accepted), self.size_decay * predicted + levels)
         elif accepted_nodes is not None:
-            kept = [node for path in accepted_nodes for node in path if node > 0]
+            paths = [[node for node in path if node > 0] for path in accepted_nodes]
             for n in self.smaller:
+                # Against what the full tree accepted within the n-node tree's depth: g_n scales the full
+                # tree's rate summed to that depth (`expected`); against all it accepted, a 2-node tree
+                # (one level) was rated at a third of what it keeps where the full tree accepts 3.
+                reach = min(n - 1, len(self.depth_sums))
                 seen, whole = self.size_sums.get(n, (0.0, 0.0))
-                self.size_sums[n] = (self.size_decay * seen + sum(node < n for node in kept),
-                                     self.size_decay * whole + len(kept))
+                self.size_sums[n] = (self.size_decay * seen + sum(node < n for path in paths for node in path),
+                                     self.size_decay * whole + sum(min(len(path), reach) for path in paths))
         for rid, a in zip(rids, accepted):
             seen, predicted = self.request_sums.get(rid, (0.0, 0.0))
             self.request_sums[rid] = (self.request_decay * seen + a, self.request_decay * predicted + factor * base)

@@ -127,14 +127,22 @@ def test_a_requests_small_trees_tell_what_its_full_tree_would_accept():
 
 def test_a_full_trees_accepted_nodes_measure_each_smaller_trees_share():
     """Full-tree steps whose requests accept their best-ranked node and then the 5th (nodes 1 and 5):
-    a tree of 2 to 5 nodes would keep one of the two, a larger one both. That is what each size's
-    factor learns, with no step of the smaller trees run."""
+    a tree of 2 to 5 nodes would keep one of the two, a larger one both. Each size's factor learns its
+    share of what the full tree accepts within its depth (one level for 2 nodes: all of it; two or
+    three for 3-5 nodes: half), with no step of the smaller trees run."""
     model = AcceptanceModel(full_size=8, max_depth=3, sizes=[1, 2, 3, 4, 5, 8])
     for step in range(40):
         model.observe([0, 1], 8, 3, [2, 2], accepted_nodes=[[1, 5], [1, 5]])
-    assert all(model.size_factor(n) == pytest.approx(0.5, abs=0.03) for n in (2, 3, 4, 5))  # 4 prior tokens at 0.75
+    assert all(model.size_factor(n) == pytest.approx(0.5, abs=0.03) for n in (3, 4, 5))  # 4 prior tokens at 0.75
+    assert model.size_factor(2) > 0.95
     assert model.size_factor(8) == 1.0
     assert model.expected(0, 5, 3) == pytest.approx(model.expected(0, 8, 3) / 2, rel=0.05)
+    # A chain of the best nodes (1, 2, 3): a 2-node tree (one level) keeps all the full tree accepts at
+    # its depth, a 3-node one (two levels) all of its two.
+    chain = AcceptanceModel(full_size=8, max_depth=3, sizes=[1, 2, 3, 4, 5, 8])
+    for step in range(40):
+        chain.observe([0, 1], 8, 3, [3, 3], accepted_nodes=[[1, 2, 3], [1, 2, 3]])
+    assert chain.size_factor(2) > 0.95 and chain.size_factor(3) > 0.95
 
 
 def test_a_small_tree_is_never_predicted_to_accept_more_than_the_full_tree():
