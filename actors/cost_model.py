@@ -343,18 +343,21 @@ class AcceptanceModel:
         return sum(min(cap, m * scale) for m in multipliers)
 
     def observe(self, rids: list[int], nodes: int, drafted_depth: int, accepted: list[int],
-                accepted_nodes: list[list[int]] | None = None) -> None:
+                accepted_nodes: list[list[int]] | None = None) -> list[int]:
         """One verify step of a tree of `nodes` reaching `drafted_depth` for each of `rids`, which accepted
         `accepted[b]` draft tokens, at ranked tree nodes `accepted_nodes[b]` (-1 pads; None: not known).
-        The full tree's depths past a first rejection say nothing."""
+        The full tree's depths past a first rejection say nothing. Returns the tree sizes whose
+        acceptance the step measured: its own, and every smaller one where a full tree's nodes are known."""
         if drafted_depth <= 0:
-            return
+            return []
+        taught = [nodes]
         base, factor = self.full_tree(drafted_depth), self.size_factor(nodes)
         if nodes != self.full_size:
             seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
             levels = sum(self.multiplier(rid) for rid in rids) * base
             self.size_sums[nodes] = (self.size_decay * seen + sum(accepted), self.size_decay * predicted + levels)
         elif accepted_nodes is not None:
+            taught += self.smaller
             paths = [[node for node in path if node > 0] for path in accepted_nodes]
             for n in self.smaller:
                 # Against what the full tree accepted within the n-node tree's depth: g_n scales the full
@@ -372,6 +375,7 @@ class AcceptanceModel:
         else:
             self.small_sums = self._counted(self.small_sums, self.decay, drafted_depth, accepted)
         self._set_rates()
+        return taught
 
     def forget(self, rid: int) -> None:
         self.request_sums.pop(rid, None)
@@ -617,10 +621,7 @@ class TreeSizePolicy:
         depth = self.depth(nodes)
         width, verified_depth = verified if verified is not None else (nodes, depth)
         if depth:
-            self.acceptance.observe(rids, nodes, depth, accepted, accepted_nodes)
-            # A full tree's accepted nodes also measure every smaller tree's acceptance.
-            taught = self.acceptance.smaller + [nodes] if nodes == self.tree_size and accepted_nodes else [nodes]
-            for n in taught:
+            for n in self.acceptance.observe(rids, nodes, depth, accepted, accepted_nodes):
                 self.evidence[n] = self.evidence.get(n, 0) + len(rids)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one

@@ -146,14 +146,13 @@ def build_order(keys: list, copies: int) -> list[tuple[int, object]]:
 
 def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
             repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3,
-            mirror: bool = True) -> dict:
+            copies: int = 1) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
     tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `level_runs` of
     distinct prompts; every run of every repeat, each prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
     time, speedup is over `none` in the same dtype and prompts; each run's tokens are checked against
-    `none`'s run of the same prompts. `mirror` (with 2+ repeats): two engines per config, built in
-    mirrored order (`build_order`), repeats alternating between them; twice the memory."""
-    copies = 2 if mirror and repeats >= 2 else 1
+    `none`'s run of the same prompts. `copies`: engines per config (2: built in mirrored order,
+    `build_order`, repeats alternating between them; twice the memory)."""
     built = {}
     try:
         for copy, key in build_order(list(configs), copies):
@@ -311,16 +310,17 @@ def main(argv: list[str] | None = None) -> dict:
         # Logical CPUs for every config's actors at once (they share the machine's cores).
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
+    copies = 2 if args.mirror and args.repeats >= 2 else 1
     try:
         results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
-                          args.arrival, args.rounds, args.mirror)
+                          args.arrival, args.rounds, copies)
     finally:
         if args.backend == "ray":
             ray.shutdown()
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
                  "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
-                 "rounds": args.rounds, "prompts": args.prompts, "mirror": args.mirror and args.repeats >= 2,
+                 "rounds": args.rounds, "prompts": args.prompts, "mirror": copies == 2,
                  "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "prompt_sources": {"short": f"train.data eval seed {EVAL_SEED}",
