@@ -2,7 +2,7 @@
 
     python -m bench.serve_load [--url http://127.0.0.1:8000 [--api-key KEY]]
         [--workloads spec_bench,multi_turn,shared_prefix] [--concurrency 1,4,16,32] [--requests N]
-        [--max-tokens 64] [--configs none,spec,none-nocache,spec-nocache] [--model NAME]
+        [--max-tokens 64] [--first-answer-tokens 512] [--configs none,spec,none-nocache,spec-nocache] [--model NAME]
         [--questions ../shared/eval/spec_bench_question.jsonl] [--port 8200] [--out FILE]
 
 Without --url it starts its own Ray and Serve and deploys one application per config side by
@@ -15,8 +15,9 @@ alike. With --url it measures that one server. One workload and one level run qu
 
 Workloads (Spec-Bench questions are evaluation data: nothing is tuned on them):
   spec_bench     each request one Spec-Bench first turn (categories interleaved, file order);
-  multi_turn     each client a conversation: its first turn, then, once that answer is back, the
-                 second turn after it (as MT-bench does); the second turns are what is timed;
+  multi_turn     each client a conversation: its first turn, answered in full as MT-bench does (up to
+                 --first-answer-tokens), then, once that answer is back, the second turn after it
+                 (--max-tokens); the second turns are what is timed;
   shared_prefix  Spec-Bench first turns under one ~1k-token system prompt (SYSTEM_PROMPT).
 Every request is greedy, `stream: true` with `include_usage`. Per request: TTFT = first content
 chunk minus send; TPOT = (last chunk - first content chunk) / (completion tokens - 1). Per level:
@@ -84,6 +85,12 @@ def load_conversations(path: str | Path, n: int) -> list[list[str]]:
     return out[:n]
 
 
+def level_items(items: list, offset: int, n: int) -> list:
+    """The n items of a level that starts `offset` items into the workload, wrapping round only
+    once the set runs out."""
+    return [items[(offset + i) % len(items)] for i in range(n)]
+
+
 def _system_prompt() -> str:
     """~1k tokens of assistant instructions (written here, not taken from any benchmark)."""
     topics = ["accuracy", "brevity", "tone", "safety", "formatting", "citations", "code", "math", "tables",
@@ -118,7 +125,7 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str | None, mes
         body["model"] = model
     sent = time.perf_counter()
     first = last = None
-    tokens, text = 0, []
+    tokens, prompt_tokens, text = 0, None, []
     async with http.stream("POST", f"{base}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             return {"error": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
@@ -130,7 +137,7 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str | None, mes
                 return {"error": chunk["error"].get("message")}
             now = time.perf_counter()
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+                tokens, prompt_tokens = chunk["usage"]["completion_tokens"], chunk["usage"]["prompt_tokens"]
             for choice in chunk.get("choices", []):
                 if choice["delta"].get("content"):
                     first = first or now
@@ -139,17 +146,20 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str | None, mes
     if first is None:
         return {"error": "no content"}
     return {"ttft": first - sent, "tpot": (last - first) / (tokens - 1) if tokens > 1 else None, "tokens": tokens,
-            "text": "".join(text)}
+            "prompt_tokens": prompt_tokens, "text": "".join(text)}
 
 
-async def one_client_job(http, base: str, model: str | None, workload: str, item, max_tokens: int) -> dict:
-    """One workload item: a request, or (multi_turn) a conversation whose second turn is timed."""
+async def one_client_job(http, base: str, model: str | None, workload: str, item, max_tokens: int,
+                         first_answer_tokens: int | None = None) -> dict:
+    """One workload item: a request, or (multi_turn) a conversation whose second turn is timed (its
+    first answer up to `first_answer_tokens`, default `max_tokens`)."""
     if workload == "spec_bench":
         return await one_request(http, base, model, [{"role": "user", "content": item}], max_tokens)
     if workload == "shared_prefix":
         return await one_request(http, base, model, [{"role": "system", "content": SYSTEM_PROMPT},
                                                      {"role": "user", "content": item}], max_tokens)
-    first = await one_request(http, base, model, [{"role": "user", "content": item[0]}], max_tokens)
+    first = await one_request(http, base, model, [{"role": "user", "content": item[0]}],
+                              first_answer_tokens or max_tokens)
     if "error" in first:
         return first
     history = [{"role": "user", "content": item[0]}, {"role": "assistant", "content": first["text"]},
@@ -172,14 +182,14 @@ def scrape(http_sync: httpx.Client, base: str) -> dict:
 
 
 async def run_level(base: str, headers: dict, model: str | None, workload: str, items: list, concurrency: int,
-                    max_tokens: int) -> dict:
+                    max_tokens: int, first_answer_tokens: int | None = None) -> dict:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers, limits=limits) as http:
         async def bounded(item):
             async with sem:
                 try:
-                    return await one_client_job(http, base, model, workload, item, max_tokens)
+                    return await one_client_job(http, base, model, workload, item, max_tokens, first_answer_tokens)
                 except httpx.HTTPError as exc:
                     return {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -195,6 +205,7 @@ async def run_level(base: str, headers: dict, model: str | None, workload: str, 
         return None if x is None else round(1000 * x, 1)
 
     first_turn = [r["first_turn_ttft"] for r in ok if "first_turn_ttft" in r]
+    prompts = [r["prompt_tokens"] for r in ok if r.get("prompt_tokens") is not None]
     return {
         "requests": len(items), "errors": len(results) - len(ok),
         "first_error": next((r["error"] for r in results if "error" in r), None),
@@ -202,6 +213,7 @@ async def run_level(base: str, headers: dict, model: str | None, workload: str, 
         "tpot_ms_p50": ms(percentile(tpot, 50)), "tpot_ms_p99": ms(percentile(tpot, 99)),
         "output_tokens": tokens, "wall_s": round(wall, 2), "output_tokens_per_s": round(tokens / wall, 2),
         **({"first_turn_ttft_ms_p50": ms(percentile(first_turn, 50))} if first_turn else {}),
+        "prompt_tokens_p50": percentile(prompts, 50),  # multi_turn: the second turns' (history and all)
     }
 
 
@@ -210,10 +222,10 @@ def _delta(before: dict, after: dict, name: str) -> float:
 
 
 def measure_level(name: str, base: str, headers: dict, model: str | None, workload: str, items: list, level: int,
-                  max_tokens: int) -> dict:
+                  max_tokens: int, first_answer_tokens: int | None = None) -> dict:
     with httpx.Client(headers=headers) as http:
         before = scrape(http, base)
-        result = asyncio.run(run_level(base, headers, model, workload, items, level, max_tokens))
+        result = asyncio.run(run_level(base, headers, model, workload, items, level, max_tokens, first_answer_tokens))
         time.sleep(2.5)  # the engines push their gauges every second
         after = scrape(http, base)
     count = _delta(before, after, "specgraph_acceptance_length_count")
@@ -289,6 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=None,
                    help="requests per level (default: max(2, concurrency) at each level)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--first-answer-tokens", type=int, default=512,
+                   help="multi_turn: the first answer's max_tokens. MT-bench lets the model answer in full (up to "
+                        "1024 tokens); the default model ends 7 of 16 first answers by itself within 512 and "
+                        "runs 8 on past 1024, so 512 keeps most whole answers at half the time")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--configs", default="none,spec,none-nocache,spec-nocache",
                    help="servers started here: none, spec (the server's default speculation), each with a "
@@ -301,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    for flag in ("max_tokens", "first_answer_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.model is None:
         from models.registry import DEFAULT_MODEL
 
@@ -309,7 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     if set(workloads) - set(WORKLOADS):
         p.error(f"--workloads: unknown {sorted(set(workloads) - set(WORKLOADS))} (known: {', '.join(WORKLOADS)})")
     per_level = {c: args.requests or max(2, c) for c in args.concurrency}
-    most = max(per_level.values()) + 2
+    # Every level takes items no earlier level took (while the set lasts: 80 conversations, 480 first
+    # turns), so a level's cache hits are what its own workload shares, not an earlier level's turns.
+    most = sum(per_level.values()) + 2
     items = {"spec_bench": load_prompts(args.questions, most), "shared_prefix": load_prompts(args.questions, most),
              "multi_turn": load_conversations(args.questions, most)}
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -330,14 +351,14 @@ def main(argv: list[str] | None = None) -> int:
             measure_level(name, base, headers, args.served_model, "spec_bench", items["spec_bench"][-2:], 2, 8)
         results: dict[str, dict[str, dict[str, dict]]] = {w: {name: {} for name in targets} for w in workloads}
         for workload in workloads:
-            # Every level starts on distinct items, so a cache only hits on what the workload shares.
             offset = 0
             for level in args.concurrency:
-                chosen = (items[workload] * 2)[offset : offset + per_level[level]]
-                offset = (offset + per_level[level]) % max(1, len(items[workload]))
+                chosen = level_items(items[workload], offset, per_level[level])
+                offset += per_level[level]
                 for name, base in targets.items():
                     results[workload][name][str(level)] = measure_level(
-                        name, base, headers, args.served_model, workload, chosen, level, args.max_tokens)
+                        name, base, headers, args.served_model, workload, chosen, level, args.max_tokens,
+                        args.first_answer_tokens)
     finally:
         if stop is not None:
             stop()
@@ -346,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "model": args.model if not args.url else None,
         "max_tokens": args.max_tokens,
+        "first_answer_tokens": args.first_answer_tokens,
         "requests_per_level": {str(c): n for c, n in per_level.items()},
         "configs": configs,
         "results": results,
