@@ -3,7 +3,7 @@
     python -m bench.serve_load [--url http://127.0.0.1:8000 [--api-key KEY]]
         [--workloads spec_bench,multi_turn,shared_prefix] [--concurrency 1,4,16,32] [--requests N]
         [--max-tokens 64] [--first-answer-tokens 512] [--configs none,spec,none-nocache,spec-nocache] [--model NAME]
-        [--questions ../shared/eval/spec_bench_question.jsonl] [--port 8200] [--out FILE]
+        [--dtype auto] [--questions ../shared/eval/spec_bench_question.jsonl] [--port 8200] [--out FILE]
 
 Without --url it starts its own Ray and Serve and deploys one application per config side by
 side (`none`: no speculation; `spec`: what `make serve` speculates with, the default model's
@@ -263,7 +263,7 @@ def plot(report: dict, path: Path) -> Path:
         axes[0][col].set(title=workload, ylabel=f"{what}TTFT p50 (ms)", xscale="log", yscale="log")
         axes[1][col].set(xlabel="clients", ylabel="output tokens/s", xscale="log")
         axes[0][col].legend(fontsize=8)
-    fig.suptitle(f"serve_load, {report['model']}, max_tokens {report['max_tokens']} (shared 2-core machine)")
+    fig.suptitle(f"serve_load, {report['model']}, {report.get('dtype')}, max_tokens {report['max_tokens']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
@@ -272,11 +272,16 @@ def plot(report: dict, path: Path) -> Path:
 # ---- servers started here -----------------------------------------------------------------------
 
 
-def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
-    """Deploy one application per config under /<name>; returns ({name: app args}, stop())."""
-    from bench.serving import start_local_serve
+def resolved_dtype(name: str) -> str:
+    """What a server given dtype `name` runs on this machine ("auto" resolved)."""
+    from graphs.config import EngineConfig
 
-    common = {"model": args.model, "max_running_requests": max(32, max(args.concurrency)),
+    return str(EngineConfig(dtype=name).torch_dtype).removeprefix("torch.")
+
+
+def server_configs(args, names: list[str]) -> dict[str, dict]:
+    """The app args of each named config: the server's defaults but for speculation and the cache."""
+    common = {"model": args.model, "dtype": args.dtype, "max_running_requests": max(32, max(args.concurrency)),
               "max_queue": 4 * max(args.concurrency) + 16}
     if args.kv_slots:
         common["kv_slots"] = args.kv_slots
@@ -287,12 +292,22 @@ def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
                          **({"prefix_cache": False} if name.endswith("-nocache") else {})}
         if args.max_num_batched_tokens:
             configs[name]["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return configs
+
+
+def start_servers(args, names: list[str]) -> tuple[dict[str, dict], object]:
+    """Deploy one application per config under /<name>; returns ({name: app args}, stop())."""
+    from bench.serving import start_local_serve
+
+    configs = server_configs(args, names)
     stop = start_local_serve({name: (config, f"/{name}") for name, config in configs.items()}, args.port,
                              spare_cpus=0.5 * len(configs) + 1)
     return configs, stop
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    from serve.settings import SERVE_DTYPE
+
     p = argparse.ArgumentParser(prog="python -m bench.serve_load", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default=None, help="measure this server instead of starting one per config")
     p.add_argument("--api-key", default=os.environ.get("SPECGRAPH_API_KEY"))
@@ -312,9 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the servers' prefill step budget")
     p.add_argument("--model", default=None, help="model of the servers started here (default model)")
     p.add_argument("--kv-slots", type=int, default=None)
+    p.add_argument("--dtype", default=SERVE_DTYPE,
+                   help="the servers' dtype (default: the server's own, auto: bf16 where the CPU runs it natively)")
     p.add_argument("--port", type=int, default=8200)
     p.add_argument("--questions", default=str(DEFAULT_QUESTIONS))
     p.add_argument("--out", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     for flag in ("max_tokens", "first_answer_tokens"):
@@ -366,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "serve_load",
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         "model": args.model if not args.url else None,
+        "dtype": None if args.url else f"{args.dtype} ({resolved_dtype(args.dtype)})",
         "max_tokens": args.max_tokens,
         "first_answer_tokens": args.first_answer_tokens,
         "requests_per_level": {str(c): n for c, n in per_level.items()},

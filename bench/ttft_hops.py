@@ -3,7 +3,7 @@ asyncio API (`RayEngine.astream_events`), each request's first event carrying th
 actor's stamps (graphs/scheduler_actor.py `_first_event_timing`).
 
     python -m bench.ttft_hops [--concurrency 4] [--conversations 16] [--max-tokens 64]
-        [--configs spec,spec-noshort,spec-nocache] [--out FILE]
+        [--configs spec,spec-noshort,spec-nocache] [--dtype auto] [--out FILE]
 
 Configs: `spec` is what `make serve` runs; `-noshort` sets short_prefill_tokens 0 (prompts ride
 in the decode step), `-nocache` turns the prefix cache off. Per config and turn, medians in ms:
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--configs", default="spec,spec-noshort,spec-nocache")
+    p.add_argument("--dtype", default=None, help="default: the server's (auto: bf16 where the CPU runs it natively)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -75,14 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     from bench.serve_load import DEFAULT_QUESTIONS, load_conversations
     from graphs.config import EngineConfig
     from graphs.ray_graph import RayEngine
-    from serve.settings import split_args
+    from serve.settings import SERVE_DTYPE, split_args
 
     conversations = load_conversations(DEFAULT_QUESTIONS, args.conversations)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     report = {"concurrency": args.concurrency, "conversations": len(conversations), "configs": {}}
     try:
         for name in args.configs.split(","):
-            kw, _ = split_args({"max_running_requests": 32, **({"prefix_cache": False} if "nocache" in name else {}),
+            kw, _ = split_args({"max_running_requests": 32, "dtype": args.dtype or SERVE_DTYPE,
+                                **({"prefix_cache": False} if "nocache" in name else {}),
                                 **({"short_prefill_tokens": 0} if "noshort" in name else {})})
             engine = RayEngine(EngineConfig(**kw, backend="ray"))
             try:

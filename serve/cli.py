@@ -16,7 +16,8 @@ from graphs.runtime import graph_bundles
 from models.registry import DEFAULT_MODEL
 from serve.app import build_app
 from serve.settings import (
-    API_KEY_ENV, DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION, FALLBACK_SPECULATION, bound_ray_gcs_env, split_args)
+    API_KEY_ENV, DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION, FALLBACK_SPECULATION, SERVE_DTYPE, bound_ray_gcs_env,
+    split_args)
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of their own before the running decode (64; 0: off)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of earlier requests' shared prefixes (on by default)")
-    p.add_argument("--dtype", default="auto",
+    p.add_argument("--dtype", default=SERVE_DTYPE,
                    help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with AMX/AVX512-BF16)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $SPECGRAPH_API_KEY; "

@@ -32,6 +32,9 @@ DEFAULT_EAGLE3_DRAFT = "smollm2-135m-instruct-eagle3"
 DEFAULT_SPECULATION = {"speculative_algorithm": "EAGLE3", "draft_model": DEFAULT_EAGLE3_DRAFT, "num_steps": 3,
                        "eagle_topk": 4, "num_draft_tokens": 8, "ngram_branch": 5, "min_path_prob": 0.1}
 FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
+# The server's dtype unless one is asked for (the CLI, the deploy config and bench.serve_load's servers):
+# bf16 on GPUs and on CPUs with AMX / AVX512-BF16, fp32 elsewhere.
+SERVE_DTYPE = "auto"
 ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 METRICS_PUSH_S = 1.0

@@ -10,7 +10,8 @@ import json
 import httpx
 import pytest
 
-from bench.serve_load import level_items, main, one_client_job
+from bench.serve_load import build_parser, level_items, main, one_client_job, server_configs
+from serve.settings import SERVE_DTYPE
 
 
 def _fake_server(bodies: list[dict]) -> httpx.MockTransport:
@@ -69,3 +70,11 @@ def test_levels_take_distinct_items_until_the_set_runs_out():
     items = list(range(10))
     assert level_items(items, 0, 4) + level_items(items, 4, 4) == list(range(8))  # no level repeats another
     assert level_items(items, 8, 4) == [8, 9, 0, 1]  # wraps only past the end
+
+
+def test_servers_run_the_dtype_the_server_runs_by_default():
+    args = build_parser().parse_args([])
+    args.concurrency = [1, 4]
+    configs = server_configs(args, ["spec", "none-nocache"])
+    assert {c["dtype"] for c in configs.values()} == {SERVE_DTYPE}  # what `make serve` runs, not fp32
+    assert configs["none-nocache"]["prefix_cache"] is False and "prefix_cache" not in configs["spec"]
