@@ -2,7 +2,7 @@
 asyncio API (`RayEngine.astream_events`), each request's first event carrying the scheduler
 actor's stamps (graphs/scheduler_actor.py `_first_event_timing`).
 
-    python -m bench.ttft_hops [--concurrency 4] [--conversations 16] [--max-tokens 64]
+    python -m bench.ttft_hops [--concurrency 4] [--conversations 16] [--max-tokens 64] [--first-answer-tokens 512]
         [--configs spec,spec-noshort,spec-nocache] [--dtype auto] [--out FILE]
 
 Configs: `spec` is what `make serve` runs; `-noshort` sets short_prefill_tokens 0 (prompts ride
@@ -39,12 +39,14 @@ async def _first_token(engine, messages, max_tokens: int) -> tuple[dict, str]:
     return row, "".join(text)
 
 
-async def _conversations(engine, conversations, concurrency: int, max_tokens: int) -> list[tuple[dict, dict]]:
+async def _conversations(engine, conversations, concurrency: int, max_tokens: int,
+                         first_answer_tokens: int | None = None) -> list[tuple[dict, dict]]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(turns):
         async with gate:
-            first, answer = await _first_token(engine, [{"role": "user", "content": turns[0]}], max_tokens)
+            first, answer = await _first_token(engine, [{"role": "user", "content": turns[0]}],
+                                               first_answer_tokens or max_tokens)
             second, _ = await _first_token(engine, [{"role": "user", "content": turns[0]},
                                                     {"role": "assistant", "content": answer},
                                                     {"role": "user", "content": turns[1]}], max_tokens)
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--first-answer-tokens", type=int, default=512, help="as bench.serve_load's")
     p.add_argument("--configs", default="spec,spec-noshort,spec-nocache")
     p.add_argument("--dtype", default=None, help="default: the server's (auto: bf16 where the CPU runs it natively)")
     p.add_argument("--out", default=None)
@@ -89,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             engine = RayEngine(EngineConfig(**kw, backend="ray"))
             try:
                 asyncio.run(_conversations(engine, conversations[:2], 2, 8))  # warm-up (other questions than timed)
-                rows = asyncio.run(_conversations(engine, conversations, args.concurrency, args.max_tokens))
+                rows = asyncio.run(_conversations(engine, conversations, args.concurrency, args.max_tokens,
+                                                  args.first_answer_tokens))
             finally:
                 engine.shutdown()
             report["configs"][name] = {"first_turn": summarize([r[0] for r in rows]),
