@@ -67,7 +67,7 @@ class SchedulerConfig:
     short_prefill_tokens: int = 0  # prompts this short (after the cache) prefill ahead of the decode (EngineConfig)
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
-    draft_depth: int = 0  # draft levels of a full tree (num_steps; 0 without speculation)
+    draft_depth: int = 0  # draft tokens on a full tree's deepest path (EngineConfig.tree_depth; 0: none)
     # Each decode step's tree size: chosen from measured costs and acceptance (actors.cost_model),
     # or (False) the full tree; verify_budget and disable_by_batch_size cap it either way.
     adaptive: bool = True

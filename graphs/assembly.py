@@ -53,7 +53,7 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         max_model_len=min(context, config.max_model_len or context),
         needs_history=config.algorithm is SpecAlgorithm.NGRAM or config.ngram_branch > 0,
         vocab_size=int(cfg_get(target.config, "vocab_size", 0)) or None,
-        draft_depth=0 if config.algorithm is SpecAlgorithm.NONE else config.num_steps,
+        draft_depth=config.tree_depth,
         adaptive=config.adaptive_speculation,
         verify_budget=config.verify_budget,
         disable_by_batch_size=config.disable_by_batch_size,

@@ -200,6 +200,14 @@ class EngineConfig:
         return self.num_draft_tokens
 
     @property
+    def tree_depth(self) -> int:
+        """Draft tokens on a full tree's deepest path: the draft's levels (`num_steps`), or a longer
+        prompt-lookup branch (`ngram_branch`, a chain from the root within the tree's nodes)."""
+        if self.algorithm is SpecAlgorithm.NONE:
+            return 0
+        return min(self.tree_size - 1, max(self.num_steps, self.ngram_branch))
+
+    @property
     def scratch_size(self) -> int:
         """Draft KV slots written while proposing: one per expanded beam, plus the root for STANDALONE."""
         if not self.algorithm.needs_draft_model:

@@ -45,7 +45,7 @@ class SpecEngine:
         self._token_texts: dict[int, str] = {}  # logprobs' token strings, decoded once
         self.metrics = ServeMetrics()
         if self.config.algorithm is not SpecAlgorithm.NONE:
-            self.metrics.set_draft_depth(self.config.num_steps)
+            self.metrics.set_draft_depth(self.config.tree_depth)
         key, app_name = replica_key()
         self.reporter = MetricsReporter(self.metrics, key, app_name, refresh=self._refresh_stats)
 
