@@ -263,14 +263,19 @@ class AcceptanceModel:
     def __init__(self, full_size: int, max_depth: int, decay: float = 0.95, request_decay: float = 0.8,
                  size_decay: float = 0.9, prior: float = 0.5, untried_scale: float = UNTRIED_SCALE,
                  prior_tokens: float = PRIOR_TOKENS, request_prior_tokens: float = REQUEST_PRIOR_TOKENS,
-                 sizes: list[int] | None = None):
+                 sizes: list[int] | None = None, draft_levels: int | None = None):
         self.full_size = full_size
+        # Depths past the draft's own levels (`draft_levels`) only a prompt-lookup branch reaches, and only
+        # where the text repeats: their rates start from 0, not `prior`, and rise as full trees accept there.
+        # From `prior`, a load that rarely runs the full tree (16 long requests) kept them at 0.5 and chose
+        # full trees that were slower than plain decoding.
+        levels = max_depth if draft_levels is None else min(draft_levels, max_depth)
+        self.priors = [prior] * levels + [0.0] * (max_depth - levels)
         # the smaller trees whose g_n the full tree's steps measure (default: every size that drafts)
         self.smaller = [n for n in (sizes or range(2, full_size)) if 1 < n < full_size]
         self.decay, self.request_decay, self.size_decay = decay, request_decay, size_decay
         self.untried_scale, self.prior_tokens = untried_scale, prior_tokens
         self.request_prior_tokens = request_prior_tokens
-        self.prior = prior
         # q_d of the full tree: decayed (accepted, reached) counts at each depth over its steps' requests,
         # and the rates they give (kept: every prediction of every step reads them)
         self.depth_sums = [(0.0, 0.0)] * max_depth
@@ -291,8 +296,8 @@ class AcceptanceModel:
         kept the fixed prior's 0.5 at every depth against ~0.75 real, and 3-node trees ran for the first
         ~150 steps while the full tree was ~10% faster."""
         rates = []
-        for (seen, reached), (small_seen, small_reached) in zip(self.depth_sums, self.small_sums):
-            prior = max(self.prior, (small_seen + self.prior * self.prior_tokens) / (small_reached + self.prior_tokens))
+        for base, (seen, reached), (small_seen, small_reached) in zip(self.priors, self.depth_sums, self.small_sums):
+            prior = max(base, (small_seen + base * self.prior_tokens) / (small_reached + self.prior_tokens))
             rates.append((seen + prior * self.prior_tokens) / (reached + self.prior_tokens))
         return rates
 
@@ -399,8 +404,9 @@ class TreeSizePolicy:
 
     def __init__(self, tree_size: int, draft_depth: int, adaptive: bool = True,
                  verify_budget: int | None = None, disable_by_batch_size: int | None = None,
-                 explore_every: int = 16):
+                 explore_every: int = 16, draft_levels: int | None = None):
         self.tree_size, self.draft_depth, self.adaptive = tree_size, draft_depth, adaptive
+        self.draft_levels = draft_levels  # the draft's own levels, where shallower than draft_depth (a branch)
         self.verify_budget, self.disable_by_batch_size = verify_budget, disable_by_batch_size
         self.buckets = size_buckets(tree_size)
         self.costs = StepCostModel()
@@ -414,7 +420,8 @@ class TreeSizePolicy:
 
     def _reset_learning(self) -> None:
         """Forget acceptance and choices (what the probe's dummy requests taught); costs stay."""
-        self.acceptance = AcceptanceModel(self.tree_size, max(self.draft_depth, 1), sizes=self.buckets)
+        self.acceptance = AcceptanceModel(self.tree_size, max(self.draft_depth, 1), sizes=self.buckets,
+                                          draft_levels=self.draft_levels)
         self.step = 0
         self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at

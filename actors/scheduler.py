@@ -68,6 +68,7 @@ class SchedulerConfig:
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
     draft_depth: int = 0  # draft tokens on a full tree's deepest path (EngineConfig.tree_depth; 0: none)
+    draft_levels: int = 0  # of them, the draft's own levels (num_steps; a prompt-lookup branch reaches deeper)
     # Each decode step's tree size: chosen from measured costs and acceptance (actors.cost_model),
     # or (False) the full tree; verify_budget and disable_by_batch_size cap it either way.
     adaptive: bool = True
@@ -113,7 +114,8 @@ class Scheduler:
         self._rng = random.SystemRandom()
         self.vocab_size = config.vocab_size or len(tokenizer)
         self.policy = TreeSizePolicy(config.tree_size, config.draft_depth, config.adaptive,
-                                     config.verify_budget, config.disable_by_batch_size)
+                                     config.verify_budget, config.disable_by_batch_size,
+                                     draft_levels=config.draft_levels)
 
     def _idle_draft_input(self) -> DraftInput:
         return DraftInput.create_idle(self.config.hidden_spec, self.config.topk_width)

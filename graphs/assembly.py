@@ -54,6 +54,7 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         needs_history=config.algorithm is SpecAlgorithm.NGRAM or config.ngram_branch > 0,
         vocab_size=int(cfg_get(target.config, "vocab_size", 0)) or None,
         draft_depth=config.tree_depth,
+        draft_levels=0 if config.algorithm is SpecAlgorithm.NONE else config.num_steps,
         adaptive=config.adaptive_speculation,
         verify_budget=config.verify_budget,
         disable_by_batch_size=config.disable_by_batch_size,

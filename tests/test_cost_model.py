@@ -228,6 +228,17 @@ def test_a_deep_prompt_lookup_branch_keeps_the_full_tree():
     assert chosen[-50:].count(8) >= 45
 
 
+def test_depths_only_a_prompt_lookup_branch_reaches_start_unproven():
+    """Past the draft's 3 levels only the branch reaches, where the text repeats: nothing is expected
+    there until full trees are accepted there (a prior of 0.5 kept 16 long requests on full trees that
+    were slower than plain decoding), and then it is."""
+    model = AcceptanceModel(full_size=8, max_depth=5, draft_levels=3)
+    assert model.rates[3:] == [0.0, 0.0] and model.full_tree(5) == model.full_tree(3)
+    for _ in range(20):
+        model.observe([0], 8, 5, [5], accepted_nodes=[[1, 2, 3, 4, 5]])
+    assert model.rates[3] > 0.7 and model.full_tree(5) > model.full_tree(3) + 0.5
+
+
 def test_the_choice_follows_the_load():
     """The same engine: trees at one request, plain decoding once 32 requests make rows expensive."""
     policy = _policy()
