@@ -68,7 +68,8 @@ class SchedulerConfig:
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
     draft_depth: int = 0  # draft tokens on a full tree's deepest path (EngineConfig.tree_depth; 0: none)
-    draft_levels: int = 0  # of them, the draft's own levels (num_steps; a prompt-lookup branch reaches deeper)
+    draft_levels: int | None = None  # of them, the draft's own levels (num_steps; a prompt-lookup branch
+    # reaches deeper); None: all of them
     # Each decode step's tree size: chosen from measured costs and acceptance (actors.cost_model),
     # or (False) the full tree; verify_budget and disable_by_batch_size cap it either way.
     adaptive: bool = True

@@ -222,7 +222,8 @@ def test_a_deep_prompt_lookup_branch_keeps_the_full_tree():
     smaller: a policy that counts acceptance only to the draft's depth saw a 4-node tree accept what
     the full one does, and ran 4-5-node trees where the full tree was 10-20% faster (two long requests,
     bf16: 105 tok/s with full trees against 88 with 4-node ones and 90-98 with the policy's mix)."""
-    policy = _policy(draft_depth=_branch_config(ngram_branch=5).tree_depth)
+    config = _branch_config(ngram_branch=5)
+    policy = _policy(draft_depth=config.tree_depth, draft_levels=config.num_steps)
     cost = lambda nodes, batch: 0.030 + 0.0004 * batch * nodes  # noqa: E731
     chosen = _feed(policy, [0, 1], 2400, cost, lambda n: min(n - 1, 5), steps=200)
     assert chosen[-50:].count(8) >= 45
