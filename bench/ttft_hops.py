@@ -64,29 +64,31 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.serve_load import DEFAULT_QUESTIONS, FIRST_ANSWER_TOKENS, load_conversations
+    from serve.settings import SERVE_DTYPE, split_args
+
     p = argparse.ArgumentParser(prog="python -m bench.ttft_hops", description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--conversations", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--first-answer-tokens", type=int, default=512, help="as bench.serve_load's")
+    p.add_argument("--first-answer-tokens", type=int, default=FIRST_ANSWER_TOKENS, help="as bench.serve_load's")
     p.add_argument("--configs", default="spec,spec-noshort,spec-nocache")
-    p.add_argument("--dtype", default=None, help="default: the server's (auto: bf16 where the CPU runs it natively)")
+    p.add_argument("--dtype", default=SERVE_DTYPE,
+                   help="default: the server's (auto: bf16 where the CPU runs it natively)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     import ray
 
-    from bench.serve_load import DEFAULT_QUESTIONS, load_conversations
     from graphs.config import EngineConfig
     from graphs.ray_graph import RayEngine
-    from serve.settings import SERVE_DTYPE, split_args
 
     conversations = load_conversations(DEFAULT_QUESTIONS, args.conversations)
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     report = {"concurrency": args.concurrency, "conversations": len(conversations), "configs": {}}
     try:
         for name in args.configs.split(","):
-            kw, _ = split_args({"max_running_requests": 32, "dtype": args.dtype or SERVE_DTYPE,
+            kw, _ = split_args({"max_running_requests": 32, "dtype": args.dtype,
                                 **({"prefix_cache": False} if "nocache" in name else {}),
                                 **({"short_prefill_tokens": 0} if "noshort" in name else {})})
             engine = RayEngine(EngineConfig(**kw, backend="ray"))

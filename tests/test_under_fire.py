@@ -104,7 +104,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, tmp_path):
 
     # Schema-valid bodies still fail semantic checks (empty prompts, n out of range) ~95% of the time, and
     # which ones reach the engine moves with Hypothesis's version and this function's source (40 examples
-    # reached it 0-2 times), so enough examples that a few do.
+    # reached it 0-2 times; 120 reach it 7 times here), so enough examples that several do.
     @settings(max_examples=120, deadline=None, database=None, derandomize=True,
               suppress_health_check=list(HealthCheck), phases=["generate"])
     @given(case=schema["/v1/completions"]["POST"].as_strategy(generation_mode=GenerationMode.POSITIVE)
@@ -122,7 +122,7 @@ def test_fuzzed_requests_never_get_a_5xx(server, tmp_path):
 
     served_model()
     assert not failures, "\n".join(failures)
-    assert statuses.count(200) >= 1, rejected  # the engine was reached, not only the validation
+    assert statuses.count(200) >= 2, rejected  # the engine was reached, not only the validation
     response = _normal_request(server)
     assert response.status_code == 200 and response.json()["choices"][0]["text"]
 
