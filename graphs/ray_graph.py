@@ -125,16 +125,9 @@ class RayEngine(Engine):
 
     def _generate_ids(self, requests: list[tuple[list[int], SamplingParams]],
                       errors_as_outputs: bool = False) -> list[RequestOutput]:
-        refs = [self.scheduler.generate.remote(ids, params) for ids, params in requests]
-        if not errors_as_outputs:
-            return ray.get(refs)
-        outs = []
-        for (ids, _), ref in zip(requests, refs):
-            try:
-                outs.append(ray.get(ref))
-            except ValueError as exc:  # refused by the scheduler (a RayTaskError that is a ValueError)
-                outs.append(refused_output(ids, getattr(exc, "cause", None) or exc))
-        return outs
+        # One call: the scheduler queues the whole batch before its next step, as the local engine does.
+        outs = ray.get(self.scheduler.generate_many.remote(requests, errors_as_outputs))
+        return [refused_output(ids, out) if isinstance(out, ValueError) else out for (ids, _), out in zip(requests, outs)]
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         for event in self.stream_events(prompt_ids, params):

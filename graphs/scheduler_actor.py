@@ -115,16 +115,51 @@ class SchedulerActor:
     # ---- requests (asyncio, many at once) -------------------------------------------
 
     async def _submit(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, asyncio.Queue]:
-        queue: asyncio.Queue = asyncio.Queue()
+        return (await self._submit_many([(prompt_ids, params)]))[0]
+
+    async def _submit_many(self, requests: list[tuple[list[int], SamplingParams]],
+                           refused_as_errors: bool = False) -> list[tuple[int, asyncio.Queue] | ValueError]:
+        """Queue `requests` in one hold of the lock, so the step loop plans them together (a batch
+        submitted one call at a time started its first step with the few that had arrived, and the
+        rest prefilled a step later). A request the scheduler refuses (ValueError) un-queues the
+        others and raises, as the local engine's batch does; with `refused_as_errors` its entry is
+        the ValueError instead and the others run."""
         broken = self.health()
         if broken:
             raise RuntimeError(f"engine broken: {broken}")
+        loop, entries = asyncio.get_running_loop(), []
         with self._lock:
-            rid = self.dp.add_request(prompt_ids, params)  # ValueError for impossible requests
-            self._subscribers[rid] = (asyncio.get_running_loop(), queue)
-            self._unstarted[rid] = self._steps
+            for prompt_ids, params in requests:
+                try:
+                    rid = self.dp.add_request(prompt_ids, params)
+                except ValueError as exc:
+                    if not refused_as_errors:
+                        for entry in entries:
+                            if isinstance(entry, tuple):
+                                self.dp.abort(entry[0])
+                                self._subscribers.pop(entry[0], None)
+                                self._unstarted.pop(entry[0], None)
+                        raise
+                    entries.append(exc)
+                    continue
+                queue: asyncio.Queue = asyncio.Queue()
+                self._subscribers[rid] = (loop, queue)
+                self._unstarted[rid] = self._steps
+                entries.append((rid, queue))
         self._wakeup.set()
-        return rid, queue
+        return entries
+
+    async def _output(self, rid: int, queue: asyncio.Queue) -> RequestOutput:
+        """The request's final output, once its last event arrives (aborted if the caller goes away)."""
+        finished = False
+        try:
+            while not finished:
+                event = await queue.get()
+                finished = event["finished"]
+            return event["output"]
+        finally:
+            if not finished:
+                self.abort(rid)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams):
         """Yield {"delta", "finished", "logprobs", "output"} events as steps complete (logprobs:
@@ -141,10 +176,17 @@ class SchedulerActor:
                 self.abort(rid)
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-        output = None
-        async for event in self.stream(prompt_ids, params):
-            output = event["output"]
-        return output
+        rid, queue = await self._submit(prompt_ids, params)
+        return await self._output(rid, queue)
+
+    async def generate_many(self, requests: list[tuple[list[int], SamplingParams]],
+                            refused_as_errors: bool = False) -> list[RequestOutput | ValueError]:
+        """Outputs of `requests`, queued together (`_submit_many`); a refused one's entry is its
+        ValueError where `refused_as_errors`."""
+        entries = await self._submit_many(requests, refused_as_errors)
+        outputs = await asyncio.gather(*[self._output(*e) for e in entries if isinstance(e, tuple)])
+        done = iter(outputs)
+        return [e if isinstance(e, ValueError) else next(done) for e in entries]
 
     def abort(self, rid: int) -> None:
         with self._lock:

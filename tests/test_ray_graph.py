@@ -126,6 +126,32 @@ def test_a_poison_request_fails_alone_through_the_graph(eagle3_engine, reference
     assert ray.get(eagle3_engine.scheduler.health.remote()) is None
 
 
+def test_a_batch_is_queued_together(eagle3_engine):
+    """generate() of many prompts queues them all before the next step, as the local engine does:
+    one prefill step answers every one-token request (submitted one call each, the first step
+    began with those that had arrived)."""
+    prompts = [PROMPTS[i % 3] + [20 + i] for i in range(8)]
+    for _ in range(3):
+        before = eagle3_engine.stats()["steps"]
+        outs = eagle3_engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
+        assert [o.num_output_tokens for o in outs] == [1] * 8
+        assert eagle3_engine.stats()["steps"] == before + 1
+
+
+def test_a_refused_prompt_refuses_its_batch_or_comes_back_alone(eagle3_engine, reference):
+    """As in the local engine: a prompt the scheduler refuses raises for the whole batch and leaves
+    none of it queued; with errors_as_outputs it alone comes back with an error."""
+    too_long = list(range(600))
+    with pytest.raises(ValueError, match="prompt"):
+        eagle3_engine.generate([PROMPTS[0], too_long, PROMPTS[1]], GREEDY)
+    stats = eagle3_engine.stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["free_slots"] == stats["kv_slots"]
+    outs = eagle3_engine.generate_each([(PROMPTS[0], GREEDY), (too_long, GREEDY), (PROMPTS[2], GREEDY)],
+                                       errors_as_outputs=True)
+    assert outs[1].finish_reason == "error" and "prompt" in outs[1].error and outs[1].num_prompt_tokens == 600
+    assert [outs[0].token_ids, outs[2].token_ids] == [reference[0], reference[2]]
+
+
 def test_infeasible_resources_fail_at_once_naming_them(tiny_target):
     from ray.util import placement_group_table
 
