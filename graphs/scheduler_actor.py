@@ -95,7 +95,8 @@ class SchedulerActor:
             finished = request.finish_reason is not None
             if final_only and not finished:
                 # No event, so no wake-up of this actor's event loop each step: on a small machine it
-                # takes a core from the step that runs meanwhile (generate() at one request: ~5 ms a step).
+                # takes a core from the step that runs meanwhile (one generate() of 32 tokens: 3.5 ms
+                # between its steps in all with an event a step, 0.7 ms without).
                 continue
             event = {"delta": request.take_delta(), "finished": finished, "logprobs": request.take_logprobs(),
                      "output": request.output() if finished else None}
