@@ -127,7 +127,8 @@ class RayEngine(Engine):
                       errors_as_outputs: bool = False) -> list[RequestOutput]:
         # One call: the scheduler queues the whole batch before its next step, as the local engine does.
         outs = ray.get(self.scheduler.generate_many.remote(requests, errors_as_outputs))
-        return [refused_output(ids, out) if isinstance(out, ValueError) else out for (ids, _), out in zip(requests, outs)]
+        return [refused_output(ids, out) if isinstance(out, ValueError) else out
+                for (ids, _), out in zip(requests, outs)]
 
     def _stream_ids(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[str]:
         for event in self.stream_events(prompt_ids, params):

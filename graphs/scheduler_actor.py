@@ -12,6 +12,7 @@ import asyncio
 import logging
 import threading
 import time
+from contextlib import aclosing
 
 import ray
 
@@ -81,10 +82,15 @@ class SchedulerActor:
     def _apply_aborts(self) -> None:
         """Aborts wait for the step in flight to commit: its slots are still in use."""
         for rid in self._aborts:
-            self._aborted += self.dp.abort(rid)  # counts requests ended early, not ones already done
-            self._subscribers.pop(rid, None)
-            self._unstarted.pop(rid, None)
+            self._aborted += self._drop(rid)  # counts requests ended early, not ones already done
         self._aborts.clear()
+
+    def _drop(self, rid: int) -> int:
+        """End request `rid` in the scheduler (under the lock) and forget its subscriber; returns the
+        scheduler's count of requests it ended early."""
+        self._subscribers.pop(rid, None)
+        self._unstarted.pop(rid, None)
+        return self.dp.abort(rid)
 
     def _publish(self, requests, started: float, ended: float) -> None:
         for request in requests:
@@ -145,9 +151,7 @@ class SchedulerActor:
                     if not refused_as_errors:
                         for entry in entries:
                             if isinstance(entry, tuple):
-                                self.dp.abort(entry[0])
-                                self._subscribers.pop(entry[0], None)
-                                self._unstarted.pop(entry[0], None)
+                                self._drop(entry[0])  # never ran: not counted as aborted
                         raise
                     entries.append(exc)
                     continue
@@ -158,22 +162,8 @@ class SchedulerActor:
         self._wakeup.set()
         return entries
 
-    async def _output(self, rid: int, queue: asyncio.Queue) -> RequestOutput:
-        """The request's final output, once its last event arrives (aborted if the caller goes away)."""
-        finished = False
-        try:
-            while not finished:
-                event = await queue.get()
-                finished = event["finished"]
-            return event["output"]
-        finally:
-            if not finished:
-                self.abort(rid)
-
-    async def stream(self, prompt_ids: list[int], params: SamplingParams):
-        """Yield {"delta", "finished", "logprobs", "output"} events as steps complete (logprobs:
-        [(token id, logprob, [(top id, logprob), ...])] of the new tokens, or None if not asked)."""
-        rid, queue = await self._submit(prompt_ids, params)
+    async def _events(self, rid: int, queue: asyncio.Queue):
+        """The request's events up to its last; aborted if the caller goes away before."""
         finished = False
         try:
             while not finished:
@@ -183,6 +173,20 @@ class SchedulerActor:
         finally:
             if not finished:
                 self.abort(rid)
+
+    async def _output(self, rid: int, queue: asyncio.Queue) -> RequestOutput:
+        async with aclosing(self._events(rid, queue)) as events:
+            async for event in events:
+                output = event["output"]
+        return output
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams):
+        """Yield {"delta", "finished", "logprobs", "output"} events as steps complete (logprobs:
+        [(token id, logprob, [(top id, logprob), ...])] of the new tokens, or None if not asked)."""
+        # aclosing: a consumer that goes away aborts the request now, not when the generator is collected
+        async with aclosing(self._events(*await self._submit(prompt_ids, params))) as events:
+            async for event in events:
+                yield event
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
         rid, queue = await self._submit(prompt_ids, params, final_only=True)
