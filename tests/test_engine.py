@@ -106,6 +106,63 @@ def test_detokenizer_never_emits_half_a_character():
     assert "".join(deltas) == text
 
 
+def test_detokenizer_stream_releases_what_the_python_rule_does():
+    tok = byte_tokenizer()
+    ids = tok.encode("héllo 🚀 wörld ✓ ") + [tok.eos_token_id] + tok.encode("日本")
+    fast, python = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    python._stream = None
+    assert fast._stream is not None  # a fast tokenizer decodes in Rust
+    assert [fast.add(t) for t in ids] == [python.add(t) for t in ids]
+    # A request cut inside a character releases its partial bytes at the end, as the Python rule does.
+    cut = tok.encode("ok 🚀")[:-1]
+    fast, python = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    python._stream = None
+    assert [fast.add(t, final=i == len(cut) - 1) for i, t in enumerate(cut)] == [
+        python.add(t, final=i == len(cut) - 1) for i, t in enumerate(cut)]
+    assert fast.tokens == cut and "\ufffd" in python.tokenizer.decode(cut)
+
+
+def test_text_is_made_when_read_as_the_eager_rule_makes_it():
+    tok = byte_tokenizer()
+    eos = tok.eos_token_id
+    ids = tok.encode("héllo 🚀 wörld ✓")
+
+    def run(stop, tokens, **params):
+        request = Request(0, [1], SamplingParams(stop=stop, **{"max_tokens": 100, **params}), 0,
+                          IncrementalDetokenizer(tok), {eos}, 1000)
+        for k in range(0, len(tokens), 3):  # a few tokens a step, as verify steps commit them
+            if request.finish_reason is None:
+                request.append_tokens(tokens[k:k + 3])
+        return request
+
+    # Without stop strings nothing is decoded until the text is read; with them (here never
+    # matching) every token is decoded as it comes. Both give the text the per-token rule gives.
+    whole, cut = "héllo 🚀 wörld ✓", "héllo \ufffd"  # cut: after the rocket's first byte
+    for tokens, params, text, end in [
+            (ids + [eos, 104], {}, whole, "stop"),
+            (ids, {"max_tokens": 9}, cut, "length"),  # the partial character released at the limit
+            (ids[:9] + [eos], {}, cut, "stop"),  # and at a stop id
+            (ids[:9] + [eos] + ids[9:] + [eos], {"min_tokens": 11}, whole, "stop")]:  # no stop before min_tokens
+        lazy, eager = run([], tokens, **params), run(["never"], tokens, **params)
+        assert lazy._detokenized == 0 and eager._detokenized == len(eager.output_ids)
+        assert lazy.output_ids == eager.output_ids and lazy.finish_reason == eager.finish_reason == end
+        assert lazy.text == eager.text == text and lazy.take_delta() == eager.take_delta() == text
+
+
+def test_detokenizer_falls_back_where_the_stream_fails():
+    class Failing:
+        def step(self, tokenizer, token):
+            raise Exception("Invalid prefix encountered")
+
+    tok = byte_tokenizer()
+    ids = tok.encode("héllo 🚀 wörld")
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(t) for t in ids[:3]]
+    detok._stream = Failing()
+    deltas += [detok.add(t) for t in ids[3:]]
+    assert detok._stream is None and "".join(deltas) == "héllo 🚀 wörld"
+
+
 def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_dir):
     def boom(*args, **kwargs):
         raise AssertionError("weights were loaded")
