@@ -123,20 +123,19 @@ class DecayedLinearFit:
 
     def __init__(self, num_features: int, decay: float, ridge: float = 1e-3):
         self.decay, self.ridge = decay, ridge
-        # numpy, not torch: the policy solves and predicts every step, and on a 10 x 10 system each torch
-        # op's dispatch cost more than its arithmetic (~0.45 ms of policy a step at one request; 0.15 in numpy
-        # with the warm-started solve below)
-        self.xx = np.zeros((num_features, num_features))  # (F, F) decayed sum of x x^T
-        self.xy = np.zeros(num_features)  # (F,) decayed sum of x y
+        # Plain floats, updated in Python: each step adds a sample right after the forward, whose data has
+        # just left the caches, and there a numpy call cost 10-100x what it costs warm (np.outer ~100 us
+        # against ~2): ~2 ms a step for the update's six calls, against ~0.1 in Python (docs/benchmarks.md,
+        # session 23). The solve below takes them into numpy (the same doubles, so the same weights).
+        self.xx = [[0.0] * num_features for _ in range(num_features)]  # (F, F) decayed sum of x x^T
+        self.xy = [0.0] * num_features  # (F,) decayed sum of x y
         self._w: list[float] | None = None  # plain floats: `predict` is a short dot product in Python
         self._free: list[int] = []  # the features the last solve left free (the rest held at 0)
 
     def observe(self, x: list[float], y: float) -> None:
-        v = np.asarray(x, dtype=np.float64)
-        self.xx *= self.decay
-        self.xx += np.outer(v, v)
-        self.xy *= self.decay
-        self.xy += v * y
+        d = self.decay
+        self.xx = [[d * s + xi * xj for s, xj in zip(row, x)] for row, xi in zip(self.xx, x)]
+        self.xy = [d * s + xi * y for s, xi in zip(self.xy, x)]
         self._w = None
 
     def weights(self) -> list[float]:
@@ -146,21 +145,22 @@ class DecayedLinearFit:
         costs a solve). A feature held at 0 whose weight would lower the error is freed; a free one whose
         weight would turn negative is moved back to 0 along the way to the new solve."""
         if self._w is None:
-            penalty = self.ridge * (self.xx.diagonal() + 1e-9)
+            xx, xy = np.array(self.xx), np.array(self.xy)  # (F, F), (F,)
+            penalty = self.ridge * (xx.diagonal() + 1e-9)
             penalty[0] = 1e-12
-            a = self.xx + np.diag(penalty)
-            tol = 1e-12 * max(float(np.abs(self.xy).max()), 1e-300)
-            free, w = self._free, self._solve(a, self._free)
+            a = xx + np.diag(penalty)
+            tol = 1e-12 * max(float(np.abs(xy).max()), 1e-300)
+            free, w = self._free, self._solve(a, xy, self._free)
             if w.min() < 0:
-                free, w = [], np.zeros_like(self.xy)
-            for _ in range(3 * len(self.xy)):  # converges in a few; the bound only guards round-off cycles
-                gradient = self.xy - a @ w  # (F,) > 0 where more weight would lower the error
+                free, w = [], np.zeros_like(xy)
+            for _ in range(3 * len(xy)):  # converges in a few; the bound only guards round-off cycles
+                gradient = xy - a @ w  # (F,) > 0 where more weight would lower the error
                 held = [k for k in range(len(w)) if k not in free and gradient[k] > tol]
                 if not held:
                     break
                 free = sorted(free + [max(held, key=lambda k: gradient[k])])
                 while True:
-                    z = self._solve(a, free)
+                    z = self._solve(a, xy, free)
                     if free == [] or z[free].min() > 0:
                         w = z
                         break
@@ -172,11 +172,12 @@ class DecayedLinearFit:
             self._w = [max(float(c), 0.0) for c in w]
         return self._w
 
-    def _solve(self, a: np.ndarray, free: list[int]) -> np.ndarray:
+    @staticmethod
+    def _solve(a: np.ndarray, xy: np.ndarray, free: list[int]) -> np.ndarray:
         """(F,) least squares over the `free` features, the rest held at 0."""
-        w = np.zeros_like(self.xy)
+        w = np.zeros_like(xy)
         if free:
-            w[free] = np.linalg.solve(a[np.ix_(free, free)], self.xy[free])
+            w[free] = np.linalg.solve(a[np.ix_(free, free)], xy[free])
         return w
 
     def predict(self, x: list[float]) -> float:

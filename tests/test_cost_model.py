@@ -84,10 +84,12 @@ def test_linear_fit_is_the_non_negative_optimum_as_the_load_shifts():
         slope = 0.002 if (step // 150) % 2 else -0.001  # the per-request cost turns negative, then back
         fit.observe(x, 0.03 + slope * batch + 0.0004 * batch * nodes + 0.002 * (nodes > 1) + 0.001 * rng.random())
         w = torch.tensor(fit.weights(), dtype=torch.float64)
-        a = torch.tensor(fit.xx, dtype=torch.float64) + torch.diag(fit.ridge * (torch.tensor(fit.xx.diagonal()) + 1e-9))
-        a[0, 0] = fit.xx[0, 0] + 1e-12
-        gradient = torch.tensor(fit.xy) - a @ w  # minus the error's gradient: > 0 where more weight would help
-        scale = float(torch.tensor(fit.xy).abs().max())
+        xx = torch.tensor(fit.xx, dtype=torch.float64)
+        a = xx + torch.diag(fit.ridge * (xx.diagonal() + 1e-9))
+        a[0, 0] = xx[0, 0] + 1e-12
+        xy = torch.tensor(fit.xy, dtype=torch.float64)
+        gradient = xy - a @ w  # minus the error's gradient: > 0 where more weight would help
+        scale = float(xy.abs().max())
         assert float(w.min()) >= 0
         assert all(abs(float(g)) <= 1e-9 * scale for g, v in zip(gradient, w) if v > 0), step
         assert float(gradient.max()) <= 1e-9 * scale, step
