@@ -36,8 +36,10 @@ class IncrementalDetokenizer:
 
     def add(self, token: int, final: bool = False) -> str:
         self.tokens.append(token)
-        if final or self._stream is None:
-            return self.flush() if final else self._advance(allow_partial=False)
+        if final:
+            return self.flush()
+        if self._stream is None:
+            return self._advance(allow_partial=False)
         try:
             text = self._stream.step(self._backend, token)
         except Exception:  # noqa: BLE001 - its prefix check failed on this text: the Python rule from here
