@@ -34,8 +34,6 @@ import math
 import operator
 from dataclasses import dataclass, field
 
-import numpy as np
-
 log = logging.getLogger(__name__)
 
 # Context tokens are fitted in thousands, so the features have comparable scales.
@@ -123,10 +121,10 @@ class DecayedLinearFit:
 
     def __init__(self, num_features: int, decay: float, ridge: float = 1e-3):
         self.decay, self.ridge = decay, ridge
-        # Plain floats, updated in Python: each step adds a sample right after the forward, whose data has
-        # just left the caches, and there a numpy call cost 10-100x what it costs warm (np.outer ~100 us
-        # against ~2): ~2 ms a step for the update's six calls, against ~0.1 in Python (docs/benchmarks.md,
-        # session 23). The solve below takes them into numpy (the same doubles, so the same weights).
+        # Plain floats and Python, not numpy: each step adds a sample and solves right after the forward,
+        # whose data has just left the caches, and there a numpy call cost 10-100x what it costs warm
+        # (np.outer ~100 us against ~2). The update's six numpy calls cost ~2 ms a step, ~0.1 in Python;
+        # the solve ~0.33 ms, ~0.11 in Python (docs/benchmarks.md, sessions 23 and 24).
         self.xx = [[0.0] * num_features for _ in range(num_features)]  # (F, F) decayed sum of x x^T
         self.xy = [0.0] * num_features  # (F,) decayed sum of x y
         self._w: list[float] | None = None  # plain floats: `predict` is a short dot product in Python
@@ -145,39 +143,51 @@ class DecayedLinearFit:
         costs a solve). A feature held at 0 whose weight would lower the error is freed; a free one whose
         weight would turn negative is moved back to 0 along the way to the new solve."""
         if self._w is None:
-            xx, xy = np.array(self.xx), np.array(self.xy)  # (F, F), (F,)
-            penalty = self.ridge * (xx.diagonal() + 1e-9)
-            penalty[0] = 1e-12
-            a = xx + np.diag(penalty)
-            tol = 1e-12 * max(float(np.abs(xy).max()), 1e-300)
+            n, xy = len(self.xy), self.xy
+            # (F, F) xx + a ridge on every weight but the intercept's
+            a = [[v + (self.ridge * (v + 1e-9) if k else 1e-12) if j == k else v for j, v in enumerate(row)]
+                 for k, row in enumerate(self.xx)]
+            tol = 1e-12 * max(max(map(abs, xy)), 1e-300)
             free, w = self._free, self._solve(a, xy, self._free)
-            if w.min() < 0:
-                free, w = [], np.zeros_like(xy)
-            for _ in range(3 * len(xy)):  # converges in a few; the bound only guards round-off cycles
-                gradient = xy - a @ w  # (F,) > 0 where more weight would lower the error
-                held = [k for k in range(len(w)) if k not in free and gradient[k] > tol]
+            if min(w) < 0:
+                free, w = [], [0.0] * n
+            for _ in range(3 * n):  # converges in a few; the bound only guards round-off cycles
+                gradient = [b - sum(map(operator.mul, row, w)) for b, row in zip(xy, a)]  # > 0: more weight helps
+                held = [k for k, g in enumerate(gradient) if g > tol and k not in free]
                 if not held:
                     break
-                free = sorted(free + [max(held, key=lambda k: gradient[k])])
+                free = sorted(free + [max(held, key=gradient.__getitem__)])
                 while True:
                     z = self._solve(a, xy, free)
-                    if free == [] or z[free].min() > 0:
+                    if free == [] or min(z[k] for k in free) > 0:
                         w = z
                         break
                     # Move from w towards z until the first free weight reaches 0; hold it there.
                     step = min(w[k] / max(w[k] - z[k], 1e-300) for k in free if z[k] <= 0)
-                    w = w + step * (z - w)
+                    w = [wk + step * (zk - wk) for wk, zk in zip(w, z)]
                     free = [k for k in free if w[k] > tol]
             self._free = free
-            self._w = [max(float(c), 0.0) for c in w]
+            self._w = [max(c, 0.0) for c in w]
         return self._w
 
     @staticmethod
-    def _solve(a: np.ndarray, xy: np.ndarray, free: list[int]) -> np.ndarray:
-        """(F,) least squares over the `free` features, the rest held at 0."""
-        w = np.zeros_like(xy)
-        if free:
-            w[free] = np.linalg.solve(a[np.ix_(free, free)], xy[free])
+    def _solve(a: list[list[float]], xy: list[float], free: list[int]) -> list[float]:
+        """(F,) least squares over the `free` features, the rest held at 0: LU with partial pivoting
+        (as LAPACK's gesv) of the free block, at most 10 x 10."""
+        w = [0.0] * len(xy)
+        m = len(free)
+        rows = [[a[i][j] for j in free] + [xy[i]] for i in free]  # (m, m + 1): the block and its right side
+        for c in range(m):
+            p = max(range(c, m), key=lambda r: abs(rows[r][c]))
+            rows[c], rows[p] = rows[p], rows[c]
+            pivot = rows[c]
+            for r in range(c + 1, m):
+                f = rows[r][c] / pivot[c]
+                if f:
+                    rows[r] = rows[r][:c] + [x - f * y for x, y in zip(rows[r][c:], pivot[c:])]
+        for c in range(m - 1, -1, -1):
+            row = rows[c]
+            w[free[c]] = (row[m] - sum(row[j] * w[free[j]] for j in range(c + 1, m))) / row[c]
         return w
 
     def predict(self, x: list[float]) -> float:
