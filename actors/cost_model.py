@@ -184,7 +184,7 @@ class DecayedLinearFit:
             for r in range(c + 1, m):
                 f = rows[r][c] / pivot[c]
                 if f:
-                    rows[r] = rows[r][:c] + [x - f * y for x, y in zip(rows[r][c:], pivot[c:])]
+                    rows[r][c:] = [x - f * y for x, y in zip(rows[r][c:], pivot[c:])]
         for c in range(m - 1, -1, -1):
             row = rows[c]
             w[free[c]] = (row[m] - sum(row[j] * w[free[j]] for j in range(c + 1, m))) / row[c]
