@@ -8,7 +8,7 @@
 Without --url it starts its own Ray and Serve and deploys one application per config side by
 side (`none`: no speculation; `spec`: what `make serve` speculates with, the default model's
 EAGLE-3 tree with its batch-size cutoff, NGRAM on other models; a `-nocache` suffix turns the
-prefix cache off), each under its own route prefix, then takes the levels in turn, every config
+prefix cache off, `-retokenize` re-tokenizes the replies a chat sends back), each under its own route prefix, then takes the levels in turn, every config
 on each level before the next level, so load from other processes on a shared machine hits them
 alike. With --url it measures that one server. One workload and one level run quickly:
 `--workloads multi_turn --concurrency 4 --configs spec,spec-nocache`.
@@ -46,7 +46,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("spec_bench", "multi_turn", "shared_prefix")
-CONFIGS = ("none", "spec", "none-nocache", "spec-nocache")
+CONFIGS = ("none", "spec", "none-nocache", "spec-nocache", "none-retokenize", "spec-retokenize")
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "eval" / "spec_bench_question.jsonl"
 # multi_turn's first answer, max_tokens: MT-bench lets the model answer in full (up to 1024 tokens); the default
 # model ends 7 of 16 first answers by itself within 512 and runs 8 on past 1024, so 512 keeps most whole answers
@@ -293,7 +293,8 @@ def server_configs(args, names: list[str]) -> dict[str, dict]:
     for name in names:
         # `spec` leaves speculation to the server's defaults (serve.settings.apply_spec_defaults).
         configs[name] = {**common, **({"speculative_algorithm": "NONE"} if name.startswith("none") else {}),
-                         **({"prefix_cache": False} if name.endswith("-nocache") else {})}
+                         **({"prefix_cache": False} if name.endswith("-nocache") else {}),
+                         **({"reply_ids_tokens": 0} if "-retokenize" in name else {})}
         if args.max_num_batched_tokens:
             configs[name]["max_num_batched_tokens"] = args.max_num_batched_tokens
     return configs
@@ -325,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--configs", default="none,spec,none-nocache,spec-nocache",
                    help="servers started here: none, spec (the server's default speculation), each with a "
-                        "-nocache suffix for the prefix cache off")
+                        "-nocache suffix for the prefix cache off, or -retokenize for chat replies re-tokenized "
+                        "(reply_ids_tokens 0)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the servers' prefill step budget")
     p.add_argument("--model", default=None, help="model of the servers started here (default model)")
     p.add_argument("--kv-slots", type=int, default=None)

@@ -69,6 +69,11 @@ class EngineConfig:
     short_prefill_tokens: int = 64
     # Keep finished requests' KV in a tree over token ids, reused by requests sharing a prefix.
     prefix_cache: bool = True
+    # Chat: the generated ids of recent replies, up to this many tokens in all (graphs.chat_ids). A
+    # later turn that sends a reply back unchanged, after the same prompt, reads the ids the model
+    # wrote rather than the text's re-tokenization, so its prefix-cache match runs through the
+    # answer. Independent of `prefix_cache`, so outputs stay identical with the cache off. 0: off.
+    reply_ids_tokens: int = 1 << 20
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Ray backend: resources per actor (GPU actors run on CUDA), placement and graph mode.
     target_num_cpus: float = 1.0
@@ -111,7 +116,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("max_actor_restarts", "short_prefill_tokens"):
+        for name in ("max_actor_restarts", "short_prefill_tokens", "reply_ids_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")

@@ -6,6 +6,7 @@ from typing import Any, Iterator, Sequence
 
 from actors.request import RequestOutput
 from actors.scheduler import Scheduler
+from graphs.chat_ids import ReplyIds, encode_chat, reply_ids_of
 from graphs.config import EngineConfig
 from spec.sampling import SamplingParams
 
@@ -19,27 +20,39 @@ def refused_output(prompt_ids: list[int], exc: Exception) -> RequestOutput:
                          num_prompt_tokens=len(prompt_ids), num_output_tokens=0, num_verify_steps=0, error=str(exc))
 
 
+def _is_chat(prompt: Prompt | Messages) -> bool:
+    return not isinstance(prompt, str) and bool(prompt) and isinstance(prompt[0], dict)
+
+
 class Engine:
     """The offline API shared by both backends: prompts, chat templates, generate/chat/stream."""
 
     def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
         self.tokenizer = tokenizer
+        self.replies = ReplyIds(config.reply_ids_tokens) if config.reply_ids_tokens else None
 
     # ---- prompts --------------------------------------------------------------------
 
     def encode(self, prompt: Prompt | Messages) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if prompt and isinstance(prompt[0], dict):
+        if _is_chat(prompt):
             return self.encode_chat(prompt)  # type: ignore[arg-type]
         return [int(t) for t in prompt]
 
     def encode_chat(self, messages: Messages) -> list[int]:
         if not messages:
             raise ValueError("messages: must contain at least one message")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_chat(self.tokenizer, messages, self.replies)
+
+    def remember_reply(self, prompt_ids: list[int], output: RequestOutput) -> None:
+        """Keep a finished chat reply's generated ids for the turn that sends its text back."""
+        if self.replies is None or output.finish_reason not in ("stop", "length"):
+            return
+        reply = reply_ids_of(self.tokenizer, output.token_ids, output.text)
+        if reply is not None:
+            self.replies.remember(prompt_ids, reply, output.text)
 
     # ---- generation -----------------------------------------------------------------
 
@@ -49,14 +62,23 @@ class Engine:
 
     def chat(self, conversations: Sequence[Messages], params: SamplingParams | None = None) -> list[RequestOutput]:
         params = params or SamplingParams()
-        return self._generate_ids([(self.encode_chat(c), params) for c in conversations])
+        prompts = [self.encode_chat(c) for c in conversations]
+        outputs = self._generate_ids([(ids, params) for ids in prompts])
+        for ids, output in zip(prompts, outputs):
+            self.remember_reply(ids, output)
+        return outputs
 
     def generate_each(self, requests: Sequence[tuple[Prompt | Messages, SamplingParams]],
                       errors_as_outputs: bool = False) -> list[RequestOutput]:
         """Many requests, each with its own sampling parameters, batched together. A request
         the engine refuses (ValueError, e.g. longer than the context) raises, or with
         `errors_as_outputs` comes back alone as an output with finish_reason "error"."""
-        return self._generate_ids([(self.encode(p), params) for p, params in requests], errors_as_outputs)
+        prompts = [self.encode(p) for p, _ in requests]
+        outputs = self._generate_ids([(ids, params) for ids, (_, params) in zip(prompts, requests)], errors_as_outputs)
+        for (prompt, _), ids, output in zip(requests, prompts, outputs):
+            if _is_chat(prompt):
+                self.remember_reply(ids, output)
+        return outputs
 
     def stream(self, prompt: Prompt | Messages, params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as steps complete (other requests progress meanwhile)."""

@@ -46,6 +46,7 @@ class ServeMetrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.aborted = 0  # requests that ended before finishing (client gone)
+        self.replies_reused = 0  # chat assistant messages read as the ids the model generated (graphs.chat_ids)
         self.ttft = _histogram(TTFT_BUCKETS)
         self.tpot = _histogram(TPOT_BUCKETS)
         self.acceptance_length = _histogram(ACCEPT_BUCKETS)
@@ -68,6 +69,11 @@ class ServeMetrics:
     def record_aborted(self) -> None:
         self.aborted += 1
         self.version += 1
+
+    def record_replies_reused(self, n: int) -> None:
+        if n:
+            self.replies_reused += n
+            self.version += 1
 
     def record_first_token(self, seconds: float) -> None:
         _observe(self.ttft, seconds)
@@ -122,6 +128,7 @@ class ServeMetrics:
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
             "aborted": self.aborted,
+            "replies_reused": self.replies_reused,
             "ttft": copy.deepcopy(self.ttft),
             "tpot": copy.deepcopy(self.tpot),
             "acceptance_length": copy.deepcopy(self.acceptance_length),
@@ -142,7 +149,7 @@ def merge(snapshots: Iterable[dict], now: float | None = None) -> dict:
     for snap in snapshots:
         for e, s, n in snap["requests"]:
             requests[(e, s)] = requests.get((e, s), 0) + n
-        for key in ("prompt_tokens", "generation_tokens", "aborted", "verify_steps"):
+        for key in ("prompt_tokens", "generation_tokens", "aborted", "replies_reused", "verify_steps"):
             total[key] += snap.get(key, 0)
         for key in ("ttft", "tpot", "acceptance_length"):
             total[key]["counts"] = [a + b for a, b in zip(total[key]["counts"], snap[key]["counts"])]
@@ -190,6 +197,8 @@ class _SnapshotCollector:
                                   value=s["generation_tokens"])
         yield CounterMetricFamily(f"{p}_requests_aborted", "Requests abandoned by their client before finishing",
                                   value=s["aborted"])
+        yield CounterMetricFamily(f"{p}_chat_replies_reused", "Assistant messages sent back unchanged and read as "
+                                  "the ids the model generated, not re-tokenized", value=s["replies_reused"])
         yield self._hist(f"{p}_time_to_first_token_seconds", "Time from request arrival to its first token", s["ttft"])
         yield self._hist(f"{p}_time_per_output_token_seconds", "Decode time per output token after the first",
                          s["tpot"])

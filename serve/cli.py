@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "of their own before the running decode (64; 0: off)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV of earlier requests' shared prefixes (on by default)")
+    p.add_argument("--reply-ids-tokens", type=int, default=None,
+                   help="chat replies' generated ids kept (tokens) for the turn that sends a reply back: read as "
+                        "generated, not re-tokenized, so the prefix cache matches through it (1048576; 0: off)")
     p.add_argument("--dtype", default=SERVE_DTYPE,
                    help="float32, bfloat16, float16 or auto (bf16 on GPUs and on CPUs with AMX/AVX512-BF16)")
     p.add_argument("--api-key", default=None,

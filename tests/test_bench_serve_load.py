@@ -75,6 +75,7 @@ def test_levels_take_distinct_items_until_the_set_runs_out():
 def test_servers_run_the_dtype_the_server_runs_by_default():
     args = build_parser().parse_args([])
     args.concurrency = [1, 4]
-    configs = server_configs(args, ["spec", "none-nocache"])
+    configs = server_configs(args, ["spec", "none-nocache", "spec-retokenize"])
     assert {c["dtype"] for c in configs.values()} == {SERVE_DTYPE}  # what `make serve` runs, not fp32
     assert configs["none-nocache"]["prefix_cache"] is False and "prefix_cache" not in configs["spec"]
+    assert configs["spec-retokenize"]["reply_ids_tokens"] == 0 and "reply_ids_tokens" not in configs["spec"]

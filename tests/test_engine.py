@@ -41,6 +41,22 @@ def test_chat_applies_the_template(plain):
     assert chat.token_ids == text.token_ids
 
 
+def test_a_chat_reply_sent_back_is_read_as_its_generated_ids(plain, tiny_target):
+    """The offline chat API remembers its replies (graphs.chat_ids); a later turn carrying one reads
+    the first turn's prompt and reply ids unchanged, and an engine with the store off re-tokenizes."""
+    conv = [{"role": "user", "content": "w5 w6"}]
+    first = plain.chat([conv], GREEDY)[0]
+    second = conv + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "w7"}]
+    before = plain.replies.reused
+    ids = plain.encode_chat(second)
+    assert plain.replies.reused == before + 1
+    assert ids == plain.encode_chat(conv) + first.token_ids + [7]
+    off = build_graph(EngineConfig(model=str(tiny_target), reply_ids_tokens=0))
+    assert off.replies is None and off.encode_chat(second) == ids  # the word tokenizer splits one way only
+    with pytest.raises(ValueError, match="reply_ids_tokens"):
+        EngineConfig(model=str(tiny_target), reply_ids_tokens=-1)
+
+
 def test_stream_concatenation_equals_generate(plain, eagle3):
     for engine in (plain, eagle3):
         streamed = list(engine.stream("w9 w8 w7", GREEDY))

@@ -213,6 +213,8 @@ def test_metrics_merge_and_render():
     a.record_request("/v1/completions", 200)
     b.record_request("/v1/completions", 200)
     a.record_finished(RequestOutput(0, [1] * 6, "", "length", 4, 6, 3, [2, 3], [3, 3]), 0.0, 1.0)
+    a.record_replies_reused(2)
+    b.record_replies_reused(1)
     # Adaptive speculation: a plain step (depth 0) and a two-level tree draft fewer positions.
     b.record_finished(RequestOutput(1, [1] * 5, "", "length", 4, 5, 3, [0, 2, 0], [0, 2, 3]), 0.0, 1.0)
     b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100, "preemptions": 3,
@@ -231,6 +233,7 @@ def test_metrics_merge_and_render():
     assert families["specgraph_num_requests_waiting"].samples[0].value == 2
     assert families["specgraph_prefix_cache_hit_rate"].samples[0].value == 0.25
     assert families["specgraph_num_preemptions"].samples[0].value == 3
+    assert families["specgraph_chat_replies_reused"].samples[0].value == 3
     assert families["specgraph_step_token_budget"].samples[0].value == 512
     wait = {s.name: s.value for s in families["specgraph_queue_wait_seconds"].samples}
     assert wait["specgraph_queue_wait_seconds_sum"] == 1.5 and wait["specgraph_queue_wait_seconds_count"] == 3
@@ -590,6 +593,13 @@ def test_metrics(server, client):
     assert all(0.0 <= r <= 1.0 for r in rates)
     assert sum(v for k, v in after.items() if k.startswith("specgraph_spec_tree_size_steps_total")) > 0
     assert 0.0 <= after["specgraph_kv_cache_usage"] <= 1.0 and after["specgraph_num_requests_waiting"] >= 0
+    # A chat's second turn sending the first answer back reads it as the ids the server generated.
+    conv = [{"role": "user", "content": "w3 w9"}]
+    first = client.chat.completions.create(model=SERVED, messages=conv, extra_body={"ignore_eos": True}, **GREEDY)
+    reply = {"role": "assistant", "content": first.choices[0].message.content}
+    client.chat.completions.create(model=SERVED, messages=conv + [reply, {"role": "user", "content": "w4"}], **GREEDY)
+    assert _metrics(server)["specgraph_chat_replies_reused_total"] == after.get("specgraph_chat_replies_reused_total",
+                                                                               0) + 1
 
 
 @pytest.mark.integration
