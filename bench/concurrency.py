@@ -48,14 +48,14 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from bench.configs import REFERENCE, add_engine_args, kv_slots_for, parse_config
 from bench.spec_bench import DEFAULT_QUESTIONS, load_questions, messages
 from graphs import SamplingParams, build_graph
-from graphs.engine import Engine, LocalEngine
+from graphs.chat_ids import encode_chat
+from graphs.engine import LocalEngine
 from models.build import ModelSource, load_tokenizer
 from train.data import EVAL_SEED, build_prompt_set
 
@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> dict:
                for level in args.levels)
     prompt_sets = {kind: prompt_set(kind, most, args.questions) for kind in args.prompts}
     if args.kv_slots is None:  # every request of the largest level at once
-        encoder = SimpleNamespace(tokenizer=load_tokenizer(ModelSource.resolve(args.model).folder))
-        ids = [Engine.encode_chat(encoder, c) for cs in prompt_sets.values() for c in cs]
+        tokenizer = load_tokenizer(ModelSource.resolve(args.model).folder)
+        ids = [encode_chat(tokenizer, c, None) for cs in prompt_sets.values() for c in cs]
         args.kv_slots = kv_slots_for(ids, max(args.levels), args.max_tokens)
     configs = {}
     for dtype in args.dtypes:

@@ -38,7 +38,6 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -46,7 +45,7 @@ import torch
 from bench.configs import ENGINE_CONFIGS, REFERENCE, add_engine_args, engine_config, kv_slots_for
 from graphs import EngineConfig, SamplingParams, build_graph
 from graphs.assembly import eos_token_ids
-from graphs.engine import Engine
+from graphs.chat_ids import encode_chat
 from models.build import ModelSource, load_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -349,11 +348,10 @@ def main(argv: list[str] | None = None) -> dict:
     n_q = sum(map(len, questions.values()))
     print(f"[spec_bench] {n_q} questions in {len(questions)} categories from {args.questions}", file=sys.stderr)
 
-    # Tokenize once, exactly as the engine does (Engine.encode_chat needs only the tokenizer).
+    # Tokenize once, exactly as the engine does (first turns: no replies to put back).
     target = ModelSource.resolve(args.model)
     tokenizer = load_tokenizer(target.folder)
-    encoder = SimpleNamespace(tokenizer=tokenizer)
-    prompts = OrderedDict((c, [Engine.encode_chat(encoder, messages(q["prompt"])) for q in qs])
+    prompts = OrderedDict((c, [encode_chat(tokenizer, messages(q["prompt"]), None) for q in qs])
                           for c, qs in questions.items())
     eos_ids = sorted(eos_token_ids(target, tokenizer))
     warmup = next(iter(prompts.values()))[0]

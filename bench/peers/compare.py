@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.configs import kv_slots_for
 from bench.peers.jobs import CONFIGS, waves
 from bench.peers.venv import DEFAULT_TORCH_WHEEL, DEFAULT_VENV, REPO_ROOT, ensure_vllm_venv, venv_python
-from graphs.engine import Engine
+from graphs.chat_ids import encode_chat
 from models.build import ModelSource, load_tokenizer
 from models.registry import DEFAULT_MODEL
 from serve.settings import DEFAULT_EAGLE3_DRAFT
@@ -48,8 +48,7 @@ def prompt_ids(model_folder: Path, count: int) -> list[list[int]]:
     """The held-out self-written chat prompts of bench.concurrency, chat-templated by our
     tokenizer; both engines get these ids, so their inputs are the same tokens."""
     tokenizer = load_tokenizer(model_folder)
-    encoder = type("Encoder", (), {"tokenizer": tokenizer})()
-    return [Engine.encode_chat(encoder, p["messages"]) for p in build_prompt_set(count, EVAL_SEED)[:count]]
+    return [encode_chat(tokenizer, p["messages"], None) for p in build_prompt_set(count, EVAL_SEED)[:count]]
 
 
 def run_worker(engine: str, job: dict, venv: Path, timeout_s: float) -> dict:
