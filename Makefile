@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(PY) serve_app.py
 
+# --durations: the slowest tests, listed so that the suite's time budget stays in sight.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV)
