@@ -88,8 +88,10 @@ def encode_chat(tokenizer, messages: Messages, replies: ReplyIds | None) -> list
     such a message is the prompt the model answered, rendered and tokenized as that turn's prompt
     was, so the ids it is keyed by come out the same."""
     text = render_chat(tokenizer, messages)
+    if replies is None:
+        return tokenizer.encode(text, add_special_tokens=False)
     known = [i for i, m in enumerate(messages) if m.get("role") == "assistant" and isinstance(m.get("content"), str)
-             and replies is not None and replies.has_text(m["content"])]
+             and replies.has_text(m["content"])]
     ids: list[int] = []
     done = 0  # `ids` are the tokens of text[:done]
     for i in known:

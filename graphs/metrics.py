@@ -70,9 +70,10 @@ class ServeMetrics:
         self.aborted += 1
         self.version += 1
 
-    def record_replies_reused(self, n: int) -> None:
-        if n:
-            self.replies_reused += n
+    def set_replies_reused(self, total: int) -> None:
+        """The engine's running total (`ReplyIds.reused`)."""
+        if total != self.replies_reused:
+            self.replies_reused = total
             self.version += 1
 
     def record_first_token(self, seconds: float) -> None:

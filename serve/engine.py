@@ -122,7 +122,6 @@ class SpecEngine:
     # ---- requests --------------------------------------------------------------------
 
     def _prepare(self, req: dict) -> tuple[list[int], SamplingParams]:
-        reused = self.engine.replies.reused if self.engine.replies else 0
         try:
             ids = self.engine.encode_chat(req["messages"]) if req["chat"] else self.engine.encode(req["prompt"])
         except APIError:
@@ -130,8 +129,8 @@ class SpecEngine:
         except Exception as exc:  # noqa: BLE001 - a template or tokenizer refusing the input
             raise APIError(400, f"{'messages' if req['chat'] else 'prompt'}: {exc}",
                            "messages" if req["chat"] else "prompt", "invalid_value") from None
-        if self.engine.replies:
-            self.metrics.record_replies_reused(self.engine.replies.reused - reused)
+        if self.engine.replies is not None:
+            self.metrics.set_replies_reused(self.engine.replies.reused)
         if not req["chat"] and isinstance(req["prompt"], list):
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:

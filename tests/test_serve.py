@@ -213,8 +213,8 @@ def test_metrics_merge_and_render():
     a.record_request("/v1/completions", 200)
     b.record_request("/v1/completions", 200)
     a.record_finished(RequestOutput(0, [1] * 6, "", "length", 4, 6, 3, [2, 3], [3, 3]), 0.0, 1.0)
-    a.record_replies_reused(2)
-    b.record_replies_reused(1)
+    a.set_replies_reused(2)
+    b.set_replies_reused(1)
     # Adaptive speculation: a plain step (depth 0) and a two-level tree draft fewer positions.
     b.record_finished(RequestOutput(1, [1] * 5, "", "length", 4, 5, 3, [0, 2, 0], [0, 2, 3]), 0.0, 1.0)
     b.set_engine_stats({"running": 1, "waiting": 2, "free_slots": 75, "kv_slots": 100, "preemptions": 3,
