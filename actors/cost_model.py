@@ -73,6 +73,18 @@ PLAIN_MARGIN = 0.03
 # in fp32 at this bound). Long enough for a 1-2k-token prompt's draft prefill to wait whole: at 128 it
 # ran at once, ~3% of a prefill-heavy load's time where no step drafted (docs/benchmarks.md).
 MAX_DRAFT_LAG = 2048
+# Per size and load regime, what its steps took over what the fit predicted for them, decayed by this
+# each time one is timed there, from `CALIBRATION_PRIOR_STEPS` steps of agreement: a size's predicted
+# cost at that load is scaled by it (`TreeSizePolicy.step_cost`). The fit is linear in its features
+# and one fit for all loads; where the truth is not (a catch-up of 1084 waiting tokens predicted at
+# 618 ms took 885 ms on the AVX2 machine, session 26), the size's own recent steps correct it there.
+# At 32 running requests there the fit chose one-level trees in 239 of 629 steps and ran 0.86x plain
+# decoding (docs/benchmarks.md, session 25).
+CALIBRATION_DECAY = 0.8
+CALIBRATION_PRIOR_STEPS = 2.0
+# Most one step moves it: a pause (a collection, another process) makes one step take several times its
+# prediction, and the size should not be ruled out at that load for the next few steps.
+CALIBRATION_BOUND = 2.0
 # Decay of a size's verified-tree shape (`TreeSizePolicy.verified_shape`): the draft's confidence, which
 # cuts trees, changes with the requests, so a few steps' worth.
 SHAPE_DECAY = 0.9
@@ -445,6 +457,8 @@ class TreeSizePolicy:
         # 16 measuring steps in ~500 (10 with the wait per batch regime).
         self.best_at: dict[tuple[int, int], int] = {}
         self.wait: dict[int, int] = {}
+        # (nodes, *regime) -> decayed (sum of took / predicted, steps) of timed decode steps (`CALIBRATION_DECAY`)
+        self.calibration: dict[tuple[int, int, int], tuple[float, float]] = {}
         self.stats = AdaptiveStats()
 
     def end_probe(self) -> None:
@@ -538,7 +552,13 @@ class TreeSizePolicy:
         return width / weight, depth / weight
 
     def step_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
-        """Predicted seconds of a step choosing `nodes` per request (`verified_shape`)."""
+        """Predicted seconds of a step choosing `nodes` per request (`verified_shape`): the fit's, scaled
+        by what this size's steps at this load took over it (`CALIBRATION_DECAY`)."""
+        ratio, steps = self.calibration.get((nodes, *self._regime(batch, context_tokens)), (0.0, 0.0))
+        scale = (ratio + CALIBRATION_PRIOR_STEPS) / (steps + CALIBRATION_PRIOR_STEPS)
+        return scale * self._fit_cost(nodes, batch, context_tokens, catch_up)
+
+    def _fit_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int) -> float:
         width, depth = self.verified_shape(nodes)
         return self.costs.predict(width, depth, batch, context_tokens, catch_up, drafts=self.depth(nodes) > 0)
 
@@ -652,11 +672,16 @@ class TreeSizePolicy:
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("step of %d x %d nodes (catch-up %d): predicted %.1f ms, took %.1f ms", len(rids), nodes,
                           catch_up, 1e3 * self.step_cost(nodes, len(rids), context_tokens, catch_up), 1e3 * seconds)
+            key = (nodes, *self._regime(len(rids), context_tokens))
+            if self.costs.samples(nodes) > 0:  # a fit that never saw this size predicts nothing to calibrate
+                ratio, steps = self.calibration.get(key, (0.0, 0.0))
+                took = seconds / self._fit_cost(nodes, len(rids), context_tokens, catch_up)
+                took = min(max(took, 1.0 / CALIBRATION_BOUND), CALIBRATION_BOUND)
+                self.calibration[key] = (CALIBRATION_DECAY * ratio + took, CALIBRATION_DECAY * steps + 1.0)
             self.costs.observe(width, verified_depth, len(rids), context_tokens, seconds, catch_up,
                                drafts=depth > 0, size=nodes)
-            for key in self.measured:
-                self.measured[key] *= self.costs.fit.decay
-            key = (nodes, *self._regime(len(rids), context_tokens))
+            for k in self.measured:
+                self.measured[k] *= self.costs.fit.decay
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
         if depth:  # after the debug line above, which logs the prediction this step was chosen on
             w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))

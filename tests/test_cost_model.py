@@ -383,6 +383,20 @@ def test_a_tree_no_faster_than_plain_decoding_leaves_it_be():
     assert chosen[-100:].count(1) >= 98
 
 
+def test_a_size_whose_steps_take_longer_than_the_fit_predicts_is_charged_what_they_take(monkeypatch):
+    """Where the fit is wrong at a load (linear in its features, one fit for all loads), a size's own
+    recent steps there correct it. Here the fit is made to predict a one-level tree at 1.1x a plain
+    step, where it really takes 2x for 1.6 tokens (0.8x plain decoding's rate): plain decoding wins."""
+    policy = _policy(tree_size=2, draft_depth=1)
+    cost = lambda nodes, batch: 0.100 * (2.0 if nodes == 2 else 1.0)  # noqa: E731
+    _probe(policy, cost, shapes=((16, 16 * 300),))
+    monkeypatch.setattr(policy, "_fit_cost", lambda nodes, *args: 0.100 * (1.1 if nodes == 2 else 1.0))
+    rng = random.Random(0)
+    chosen = _feed(policy, list(range(16)), 16 * 300, cost, lambda nodes: int(nodes > 1 and rng.random() < 0.6),
+                   steps=200)
+    assert chosen[-100:].count(1) >= 95, chosen[-100:]
+
+
 def test_the_probe_predicts_long_context_steps_of_many_requests():
     """From the start-up probe's shapes alone, the fit extrapolates to 16 requests of 1.5k tokens,
     where each draft level's attention over the context is most of a tree's cost: every tree size's

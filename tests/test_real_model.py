@@ -33,7 +33,10 @@ def _run(engine):
 
 
 def _engine(**kw):
-    return build_graph(EngineConfig(model=DEFAULT, kv_slots=2048, **kw))
+    # No start-up cost probe: it leaves nothing behind that outputs could depend on
+    # (test_cost_model.py::test_engine_start_probes_costs_and_leaves_nothing_behind), and on the real
+    # model it is several seconds of each engine's build on a 2-core CPU.
+    return build_graph(EngineConfig(model=DEFAULT, kv_slots=2048, cost_probe=False, **kw))
 
 
 @pytest.fixture(scope="module")
