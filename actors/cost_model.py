@@ -77,9 +77,8 @@ MAX_DRAFT_LAG = 2048
 # each time one is timed there, from `CALIBRATION_PRIOR_STEPS` steps of agreement: a size's predicted
 # cost at that load is scaled by it (`TreeSizePolicy.step_cost`). The fit is linear in its features
 # and one fit for all loads; where the truth is not (a catch-up of 1084 waiting tokens predicted at
-# 618 ms took 885 ms on the AVX2 machine, session 26), the size's own recent steps correct it there.
-# At 32 running requests there the fit chose one-level trees in 239 of 629 steps and ran 0.86x plain
-# decoding (docs/benchmarks.md, session 25).
+# 618 ms took 885 ms on the AVX2 machine, docs/benchmarks.md session 26), the size's own recent steps
+# correct it there.
 CALIBRATION_DECAY = 0.8
 CALIBRATION_PRIOR_STEPS = 2.0
 # Most one step moves it: a pause (a collection, another process) makes one step take several times its
