@@ -10,7 +10,8 @@ side (`none`: no speculation; `spec`: what `make serve` speculates with, the def
 EAGLE-3 tree with its batch-size cutoff, NGRAM on other models; a `-nocache` suffix turns the
 prefix cache off, `-retokenize` re-tokenizes the replies a chat sends back), each under its own
 route prefix, then takes the levels in turn, every config on each level before the next level,
-so load from other processes on a shared machine hits them alike. With --url it measures that one server. One workload and one level run quickly:
+so load from other processes on a shared machine hits them alike. With --url it measures that one
+server. One workload and one level run quickly:
 `--workloads multi_turn --concurrency 4 --configs spec,spec-nocache`.
 
 Workloads (Spec-Bench questions are evaluation data: nothing is tuned on them):
