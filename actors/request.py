@@ -116,6 +116,11 @@ class Request:
         self.num_preemptions = 0
         self.arrival = time.monotonic()
         self.queue_wait_s: float | None = None  # arrival to first admission
+        # Shortest-prefill-first order (`Scheduler._prefill_order`): the tokens its prefill was expected
+        # to compute beyond the prefix cache when first ordered, and the steps in which prompts that
+        # arrived after it prefilled while it got nothing.
+        self.prefill_estimate: int | None = None
+        self.passed_over = 0
         self.stop_ids = params.stop_ids(eos_ids)  # ids that end the output (EOS unless ignored, stop_token_ids)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
         self.logprobs_emitted = 0  # entries of `logprobs` handed out with stream deltas

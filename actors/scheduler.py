@@ -34,6 +34,11 @@ from spec.shapes import HiddenStateSpec
 
 log = logging.getLogger(__name__)
 
+# In "shortest" prefill order, a prompt overtaken in this many steps (prompts that arrived after it
+# prefilled while it got no chunk) goes first: a long prompt waits at most this many steps of shorter
+# prompts' chunks beyond what arrival order would make it wait.
+MAX_PASSED_OVER = 4
+
 @dataclass
 class StepPlan:
     """One step's inputs for one rank, and what the scheduler must remember to commit it."""
@@ -65,6 +70,7 @@ class SchedulerConfig:
     max_model_len: int
     prefix_cache: bool = True
     short_prefill_tokens: int = 0  # prompts this short (after the cache) prefill ahead of the decode (EngineConfig)
+    prefill_order: str = "fcfs"  # or "shortest": which prompts take a step's token budget first (EngineConfig)
     needs_history: bool = False  # decode steps carry each request's tokens (prompt lookup)
     vocab_size: int | None = None  # the target's (token ids in sampling parameters stay below it)
     draft_depth: int = 0  # draft tokens on a full tree's deepest path (EngineConfig.tree_depth; 0: none)
@@ -268,16 +274,40 @@ class Scheduler:
         for request in list(self.waiting)[: max(room, 0)]:
             if need > limit:
                 break
-            tokens, known_next = request.kv_tokens()
-            cached = 0 if self.cache is None else len(
-                self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1])
-            need += len(tokens) - cached
+            need += self._uncached(request)
             prompts += 1
         if not 0 < need <= limit:
             return False
         # The policy's rates last: dearest.
         return not self._joins_plain_load() and self.policy.prefill_ahead_pays(
             [r.rid for r in self.running], sum(r.seq_len for r in self.running), prompts)
+
+    def _uncached(self, request: Request) -> int:
+        """Tokens a waiting request's prefill would compute now, beyond the prefix cache."""
+        tokens, known_next = request.kv_tokens()
+        if self.cache is None:
+            return len(tokens)
+        return len(tokens) - len(self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1])
+
+    def _prefill_order(self) -> list[Request]:
+        """The prompts a step may prefill, in the order they take its token budget. "fcfs": the partly
+        prefilled ones oldest first, then the queue. "shortest": the fewest tokens left to compute first
+        (a waiting prompt counted beyond the prefix cache when first ordered), so a short prompt's first
+        token does not wait for a long prompt's whole prefill; preempted requests (resumed before newer
+        ones) and prompts overtaken in `MAX_PASSED_OVER` steps go first, oldest first, so none starves."""
+        if self.config.prefill_order == "fcfs":
+            return list(self.prefilling) + list(self.waiting)
+        for request in self.waiting:
+            if request.prefill_estimate is None:
+                request.prefill_estimate = self._uncached(request)
+        left = {id(r): len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling}
+
+        def key(r: Request) -> tuple:
+            if r.num_preemptions or r.passed_over >= MAX_PASSED_OVER:
+                return (0, r.arrival)
+            return (1, left.get(id(r), r.prefill_estimate), r.arrival)
+
+        return sorted([*self.prefilling, *self.waiting], key=key)
 
     def _prefill_work(self) -> bool:
         """Prompts to extend: partly prefilled ones, or waiting ones with room to run."""
@@ -568,19 +598,29 @@ class Scheduler:
         )
 
     def _plan_prefill(self, only: Request | None = None, budget: int | None = None) -> "StepPlan | None":
-        """Chunks of at most `budget` (max_num_batched_tokens) tokens in all: the admitted prompts'
-        next chunks oldest first, then newly admitted requests from the front of the queue (each whole chunk
-        must fit the pool: a new request does not start by holding a sliver of it). `only`: that
-        request's next chunk alone (isolating a failure). None when nothing fits. On any error the
-        step's slots are freed and its admissions undone (nothing leaks)."""
+        """Chunks of at most `budget` (max_num_batched_tokens) tokens in all, prompts taken in
+        `_prefill_order` (a new request is admitted as it comes up; its whole chunk must fit the pool: it
+        does not start by holding a sliver of it). In "shortest" order only a step's first prompt may
+        prefill partly: a step that completes prompts carries no chunk of a longer one, which would hold
+        back their first tokens for a chunk that yields none. `only`: that request's next chunk alone
+        (isolating a failure). None when nothing fits. On any error the step's slots are freed and its
+        admissions undone (nothing leaks)."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
         requests, lens, slots, admitted = [], [], [], []
         reserve = 0 if only is not None else self.per_step_slots * len(self.running)
+        shortest = only is None and self.config.prefill_order == "shortest"
+        order = [only] if only is not None else self._prefill_order()
+        # A new request whose chunk the pool cannot hold ends admissions for this step: none after it in
+        # the order passes it (a preempted request, first in the order, would otherwise be passed by the
+        # requests that then fill the pool again, and preempted in turn); partly prefilled ones go on.
+        admitting = True
         try:
-            for request in [only] if only is not None else list(self.prefilling) + list(self.waiting):
-                fresh = not any(r is request for r in self.prefilling)
-                if budget == 0 or (fresh and len(self.running) + len(self.prefilling) >= self.config.max_running_requests):
+            for request in order:
+                if budget == 0:
                     break
+                fresh = not any(r is request for r in self.prefilling)
+                if fresh and (not admitting or len(self.running) + len(self.prefilling) >= self.config.max_running_requests):
+                    continue
                 if fresh:
                     self.waiting.remove(request)
                     self._admit(request)
@@ -588,10 +628,11 @@ class Scheduler:
                     admitted.append(request)
                 remaining = len(request.kv_tokens()[0]) - len(request.slots)
                 n = min(remaining, budget, self.num_free_slots - reserve)
-                if n < 1 or (fresh and n < min(remaining, budget)):
+                pool_short = n < 1 or (fresh and n < min(remaining, budget))
+                if pool_short or (shortest and requests and n < remaining):
                     if fresh:
                         self._unadmit([admitted.pop()])
-                        break
+                        admitting = admitting and not pool_short
                     continue
                 slots.append(self._alloc(n).tolist())
                 requests.append(request)
@@ -599,6 +640,8 @@ class Scheduler:
                 budget -= n
             if not requests:
                 return None
+            if shortest:
+                self._count_overtaken(order, requests)
             meta = self._prefill_meta(requests, [len(r.slots) for r in requests], lens, slots)
             if self.config.algorithm.needs_draft_model and self._joins_plain_load():
                 meta.defer_draft.fill_(True)
@@ -607,6 +650,15 @@ class Scheduler:
             self._unadmit(admitted)
             raise
         return StepPlan("prefill", requests, meta, self._idle_draft_input(), admitted=admitted)
+
+    @staticmethod
+    def _count_overtaken(order: list[Request], served: list[Request]) -> None:
+        """Each prompt of `order` that gets no chunk while one that arrived after it does was overtaken."""
+        chosen = {id(r) for r in served}
+        youngest = max(r.arrival for r in served)
+        for request in order:
+            if id(request) not in chosen and request.arrival < youngest:
+                request.passed_over += 1
 
     def _joins_plain_load(self) -> bool:
         """Whether prompts prefilled now join a load the policy decodes plain (the running and

@@ -8,7 +8,8 @@
 Without --url it starts its own Ray and Serve and deploys one application per config side by
 side (`none`: no speculation; `spec`: what `make serve` speculates with, the default model's
 EAGLE-3 tree with its batch-size cutoff, NGRAM on other models; a `-nocache` suffix turns the
-prefix cache off, `-retokenize` re-tokenizes the replies a chat sends back), each under its own
+prefix cache off, `-retokenize` re-tokenizes the replies a chat sends back, `-fcfs` prefills prompts in
+arrival order rather than shortest first), each under its own
 route prefix, then takes the levels in turn, every config on each level before the next level,
 so load from other processes on a shared machine hits them alike. With --url it measures that one
 server. One workload and one level run quickly:
@@ -24,8 +25,8 @@ Every request is greedy, `stream: true` with `include_usage`. Per request: TTFT 
 chunk minus send; TPOT = (last chunk - first content chunk) / (completion tokens - 1). Per level:
 p50 / p99 of both, output tokens/s = completion tokens / wall time of the level, the acceptance
 length and the prefix-cache hit rate (tokens) from the server's /metrics over the level, and the
-KV usage once the level is over (0: every slot free or evictable again). Greedy decoding is
-lossless, so every config generates the same tokens.
+KV usage once the level is over (0: every slot free or evictable again), and each request's prompt
+tokens and TTFT (`prompt_tokens_ttft_ms`, submission order). Greedy decoding is lossless, so every config generates the same tokens.
 
 Prints the JSON to stdout (progress to stderr); --out also writes it and a PNG beside it.
 """
@@ -47,7 +48,7 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("spec_bench", "multi_turn", "shared_prefix")
-CONFIGS = ("none", "spec", "none-nocache", "spec-nocache", "none-retokenize", "spec-retokenize")
+CONFIGS = ("none", "spec", "none-nocache", "spec-nocache", "none-retokenize", "spec-retokenize", "none-fcfs", "spec-fcfs")
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "eval" / "spec_bench_question.jsonl"
 # multi_turn's first answer, max_tokens: MT-bench lets the model answer in full (up to 1024 tokens); the default
 # model ends 7 of 16 first answers by itself within 512 and runs 8 on past 1024, so 512 keeps most whole answers
@@ -219,6 +220,9 @@ async def run_level(base: str, headers: dict, model: str | None, workload: str, 
         "output_tokens": tokens, "wall_s": round(wall, 2), "output_tokens_per_s": round(tokens / wall, 2),
         **({"first_turn_ttft_ms_p50": ms(percentile(first_turn, 50))} if first_turn else {}),
         "prompt_tokens_p50": percentile(prompts, 50),  # multi_turn: the second turns' (history and all)
+        # Per request in submission order: (prompt tokens, TTFT ms); where a level's TTFT comes from.
+        "prompt_tokens_ttft_ms": [[r.get("prompt_tokens"), ms(r["ttft"])] if "error" not in r else None
+                                  for r in results],
     }
 
 
@@ -295,7 +299,8 @@ def server_configs(args, names: list[str]) -> dict[str, dict]:
         # `spec` leaves speculation to the server's defaults (serve.settings.apply_spec_defaults).
         configs[name] = {**common, **({"speculative_algorithm": "NONE"} if name.startswith("none") else {}),
                          **({"prefix_cache": False} if name.endswith("-nocache") else {}),
-                         **({"reply_ids_tokens": 0} if "-retokenize" in name else {})}
+                         **({"reply_ids_tokens": 0} if "-retokenize" in name else {}),
+                         **({"prefill_order": "fcfs"} if name.endswith("-fcfs") else {})}
         if args.max_num_batched_tokens:
             configs[name]["max_num_batched_tokens"] = args.max_num_batched_tokens
     return configs
@@ -327,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--configs", default="none,spec,none-nocache,spec-nocache",
                    help="servers started here: none, spec (the server's default speculation), each with a "
-                        "-nocache suffix for the prefix cache off, or -retokenize for chat replies re-tokenized "
-                        "(reply_ids_tokens 0)")
+                        "-nocache suffix for the prefix cache off, -retokenize for chat replies re-tokenized "
+                        "(reply_ids_tokens 0), or -fcfs for prompts prefilled in arrival order")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="the servers' prefill step budget")
     p.add_argument("--model", default=None, help="model of the servers started here (default model)")
     p.add_argument("--kv-slots", type=int, default=None)

@@ -49,6 +49,7 @@ def scheduler_config(config: EngineConfig, target: ModelSource, draft: ModelSour
         max_running_requests=config.max_running_requests,
         max_num_batched_tokens=config.max_num_batched_tokens,
         short_prefill_tokens=config.short_prefill_tokens,
+        prefill_order=config.prefill_order,
         prefix_cache=config.prefix_cache,
         max_model_len=min(context, config.max_model_len or context),
         needs_history=config.algorithm is SpecAlgorithm.NGRAM or config.ngram_branch > 0,

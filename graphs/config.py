@@ -12,6 +12,7 @@ from spec.algorithm import SpecAlgorithm
 
 BACKENDS = ("local", "ray")
 DRAFT_PLACEMENTS = ("colocated", "separate")
+PREFILL_ORDERS = ("shortest", "fcfs")
 # The runner actors' environment per `omp_wait_policy` (read by libgomp when torch loads).
 # "brief": spin ~0.1 ms (3,000 pause loops) before sleeping: long enough to catch the next
 # parallel region of a step, short enough that a partner the OS preempted costs little.
@@ -67,6 +68,11 @@ class EngineConfig:
     # running batch decodes plain they ride in its step, which costs them a few rows. 0: off
     # (prompts always ride in the decode step).
     short_prefill_tokens: int = 64
+    # Which prompts take each step's token budget first: "shortest", the fewest tokens left to compute
+    # beyond the prefix cache (a short prompt's first token does not wait behind a long prompt's
+    # prefill; a prompt overtaken for a few steps, `actors.scheduler.MAX_PASSED_OVER`, goes first, so
+    # none starves), or "fcfs", arrival order.
+    prefill_order: str = "shortest"
     # Keep finished requests' KV in a tree over token ids, reused by requests sharing a prefix.
     prefix_cache: bool = True
     # Chat: the generated ids of recent replies, up to this many tokens in all (graphs.chat_ids). A
@@ -120,6 +126,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {PREFILL_ORDERS}, got {self.prefill_order!r}")
         check_dtype_name(self.dtype)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -215,7 +215,7 @@ def test_a_burst_of_prompts_defers_its_draft_prefill_from_the_first_chunk(tiny_t
     already counts the others still queued, so a burst above disable_by_batch_size leaves the draft's
     prefill waiting from its first chunk; output stays the target's own."""
     engine = _engine(tiny_target, "STANDALONE", tiny_target, 1, 5, 4, disable_by_batch_size=2,
-                     max_num_batched_tokens=len(PROMPTS[0]), **FIXED_TREES)
+                     max_num_batched_tokens=len(PROMPTS[0]), prefill_order="fcfs", **FIXED_TREES)  # the first alone
     sched = engine.scheduler
     reqs = _submit(sched)
     sched.step()

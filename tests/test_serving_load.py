@@ -174,6 +174,8 @@ def test_step_budget_is_validated_by_name():
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="max_num_batched_tokens"):
             EngineConfig(max_num_batched_tokens=bad)
+    with pytest.raises(ValueError, match="prefill_order"):
+        EngineConfig(prefill_order="lifo")
 
 
 @pytest.mark.parametrize("spec, caps", [((None, None, 1, 4, 3), {}),
@@ -232,7 +234,7 @@ def test_short_prompt_prefills_ahead_of_the_running_decode(request):
     plans = []
     engine = _engine(request, *spec, short_prefill_tokens=16)
     outs = _staggered(engine, arrivals, lambda sched, plan: plans.append(
-        (plan.kind, [r.rid for r in plan.requests], len(sched.running))))
+        (plan.kind, sorted(r.rid for r in plan.requests), len(sched.running))))
     off = _engine(request, *spec, short_prefill_tokens=0)
     assert [o.token_ids for o in outs] == [o.token_ids for o in _staggered(off, arrivals)]
     # Steps 0-2: the first two prefill together, then decode. Step 3: the two short arrivals (13
@@ -247,3 +249,60 @@ def test_short_prompt_prefills_ahead_of_the_running_decode(request):
     assert plans[7][0] == "mixed" and 6 in plans[7][1]
     assert all(not (a[0] == b[0] == "prefill" and b[2]) for a, b in zip(plans, plans[1:]))
     _assert_kv_back(engine.scheduler)
+
+
+def _first_token_steps(engine, arrivals):
+    """`_staggered`, also returning the step each request got its first token at (submission order)."""
+    sched, reqs, first, step = engine.scheduler, [], {}, 0
+    while step <= max(arrivals) or sched.has_unfinished():
+        reqs += [sched.find(sched.add_request(p, params)) for p, params in arrivals.get(step, [])]
+        sched.step()
+        first.update({r.rid: step for r in reqs if r.output_ids and r.rid not in first})
+        step += 1
+    return [r.output() for r in reqs], [first[r.rid] for r in reqs]
+
+
+@pytest.mark.parametrize("spec", [("EAGLE3", "tiny_eagle3_own", 2, 6, 3), ("NONE", None, 1, 1, 1)])
+def test_short_prompts_prefill_ahead_of_a_long_one(request, spec):
+    """A long prompt prefilling in chunks does not hold back short prompts that arrive behind it: in
+    "shortest" order their first tokens come before its, in "fcfs" after. The tokens are the same
+    either way, and the KV comes back."""
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    rng = random.Random(5)
+    prompt = lambda n: [rng.randrange(1, 64) for _ in range(n)]  # noqa: E731
+    arrivals = {0: [(prompt(70), greedy)], 1: [(prompt(6), greedy), (prompt(5), greedy), (prompt(7), greedy)]}
+    runs = {}
+    for order in ("shortest", "fcfs"):
+        engine = _engine(request, *spec, max_num_batched_tokens=24, short_prefill_tokens=0, prefill_order=order)
+        runs[order] = _first_token_steps(engine, arrivals)
+        _assert_kv_back(engine.scheduler)
+    (shortest, first), (fcfs, fcfs_first) = runs["shortest"], runs["fcfs"]
+    assert [o.token_ids for o in shortest] == [o.token_ids for o in fcfs]
+    assert max(first[1:]) < first[0]
+    assert min(fcfs_first[1:]) >= fcfs_first[0]
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones(request, monkeypatch):
+    """A short prompt arriving every step goes ahead of a long one in "shortest" order, but once the
+    long one has been overtaken `MAX_PASSED_OVER` times it prefills first: its first token comes a
+    few steps later than in arrival order, not after the stream ends (as it would without that rule)."""
+    import actors.scheduler as scheduler
+
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    rng = random.Random(6)
+    prompt = lambda n: [rng.randrange(1, 64) for _ in range(n)]  # noqa: E731
+    arrivals = {0: [(prompt(48), greedy)], **{step: [(prompt(8), greedy)] for step in range(1, 40)}}
+
+    def long_first_token(order):
+        engine = _engine(request, "NONE", None, 1, 1, 1, max_num_batched_tokens=16, short_prefill_tokens=0,
+                         prefill_order=order)
+        outs, first = _first_token_steps(engine, arrivals)
+        _assert_kv_back(engine.scheduler)
+        return [o.token_ids for o in outs], first[0]
+
+    fcfs_tokens, fcfs_step = long_first_token("fcfs")
+    tokens, step = long_first_token("shortest")
+    assert tokens == fcfs_tokens
+    assert step <= fcfs_step + scheduler.MAX_PASSED_OVER + 2
+    monkeypatch.setattr(scheduler, "MAX_PASSED_OVER", 10**9)
+    assert long_first_token("shortest")[1] >= 39  # the rule is what bounds it: without it the stream wins
