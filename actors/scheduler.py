@@ -303,7 +303,7 @@ class Scheduler:
         left = {id(r): len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling}
 
         def key(r: Request) -> tuple:
-            if r.num_preemptions or r.passed_over >= MAX_PASSED_OVER:
+            if self._overdue(r):
                 return (0, r.arrival)
             return (1, left.get(id(r), r.prefill_estimate), r.arrival)
 
@@ -490,10 +490,6 @@ class Scheduler:
         to compute: its logits, and the draft's input there, come from that forward)."""
         tokens, known_next = request.kv_tokens()
         request.admit_seq = next(self._admissions)
-        if request.queue_wait_s is None:
-            request.queue_wait_s = time.monotonic() - request.arrival
-            self.stats.queue_wait_s += request.queue_wait_s
-            self.stats.admitted += 1
         if self.cache is None:
             return
         node, slots = self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)
@@ -602,7 +598,9 @@ class Scheduler:
         `_prefill_order` (a new request is admitted as it comes up; its whole chunk must fit the pool: it
         does not start by holding a sliver of it). In "shortest" order only a step's first prompt may
         prefill partly: a step that completes prompts carries no chunk of a longer one, which would hold
-        back their first tokens for a chunk that yields none. `only`: that request's next chunk alone
+        back their first tokens for a chunk that yields none; and an overdue prompt, first, takes at
+        most half the budget where others wait, so the prompts that arrived since still ride in the
+        step rather than wait for its whole prefill. `only`: that request's next chunk alone
         (isolating a failure). None when nothing fits. On any error the step's slots are freed and its
         admissions undone (nothing leaks)."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
@@ -610,6 +608,7 @@ class Scheduler:
         reserve = 0 if only is not None else self.per_step_slots * len(self.running)
         shortest = only is None and self.config.prefill_order == "shortest"
         order = [only] if only is not None else self._prefill_order()
+        share = max(budget // 2, 1) if shortest and len(order) > 1 else budget
         # A new request whose chunk the pool cannot hold ends admissions for this step: none after it in
         # the order passes it (a preempted request, first in the order, would otherwise be passed by the
         # requests that then fill the pool again, and preempted in turn); partly prefilled ones go on.
@@ -634,10 +633,16 @@ class Scheduler:
                         self._unadmit([admitted.pop()])
                         admitting = admitting and not pool_short
                     continue
+                if shortest and not requests and self._overdue(request):
+                    n = min(n, share)
                 slots.append(self._alloc(n).tolist())
                 requests.append(request)
                 lens.append(n)
                 budget -= n
+                if request.queue_wait_s is None:  # its first chunk: admitted and skipped ones are still waiting
+                    request.queue_wait_s = time.monotonic() - request.arrival
+                    self.stats.queue_wait_s += request.queue_wait_s
+                    self.stats.admitted += 1
             if not requests:
                 return None
             if shortest:
@@ -650,6 +655,11 @@ class Scheduler:
             self._unadmit(admitted)
             raise
         return StepPlan("prefill", requests, meta, self._idle_draft_input(), admitted=admitted)
+
+    @staticmethod
+    def _overdue(request: Request) -> bool:
+        """In "shortest" order: a preempted request, or a prompt overtaken `MAX_PASSED_OVER` times."""
+        return bool(request.num_preemptions) or request.passed_over >= MAX_PASSED_OVER
 
     @staticmethod
     def _count_overtaken(order: list[Request], served: list[Request]) -> None:
