@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 # prompts' chunks beyond what arrival order would make it wait.
 MAX_PASSED_OVER = 4
 
+
 @dataclass
 class StepPlan:
     """One step's inputs for one rank, and what the scheduler must remember to commit it."""
@@ -287,7 +288,8 @@ class Scheduler:
         tokens, known_next = request.kv_tokens()
         if self.cache is None:
             return len(tokens)
-        return len(tokens) - len(self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1])
+        matched = self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1]
+        return len(tokens) - len(matched)
 
     def _prefill_order(self) -> list[Request]:
         """The prompts a step may prefill, in the order they take its token budget. "fcfs": the partly
@@ -618,7 +620,8 @@ class Scheduler:
                 if budget == 0:
                     break
                 fresh = not any(r is request for r in self.prefilling)
-                if fresh and (not admitting or len(self.running) + len(self.prefilling) >= self.config.max_running_requests):
+                full = len(self.running) + len(self.prefilling) >= self.config.max_running_requests
+                if fresh and (not admitting or full):
                     continue
                 if fresh:
                     self.waiting.remove(request)

@@ -26,7 +26,8 @@ chunk minus send; TPOT = (last chunk - first content chunk) / (completion tokens
 p50 / p99 of both, output tokens/s = completion tokens / wall time of the level, the acceptance
 length and the prefix-cache hit rate (tokens) from the server's /metrics over the level, and the
 KV usage once the level is over (0: every slot free or evictable again), and each request's prompt
-tokens and TTFT (`prompt_tokens_ttft_ms`, submission order). Greedy decoding is lossless, so every config generates the same tokens.
+tokens and TTFT (`prompt_tokens_ttft_ms`, submission order). Greedy decoding is lossless, so every
+config generates the same tokens.
 
 Prints the JSON to stdout (progress to stderr); --out also writes it and a PNG beside it.
 """
@@ -48,7 +49,8 @@ import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = ("spec_bench", "multi_turn", "shared_prefix")
-CONFIGS = ("none", "spec", "none-nocache", "spec-nocache", "none-retokenize", "spec-retokenize", "none-fcfs", "spec-fcfs")
+CONFIGS = ("none", "spec", "none-nocache", "spec-nocache", "none-retokenize", "spec-retokenize", "none-fcfs",
+           "spec-fcfs")
 DEFAULT_QUESTIONS = REPO_ROOT.parent / "shared" / "eval" / "spec_bench_question.jsonl"
 # multi_turn's first answer, max_tokens: MT-bench lets the model answer in full (up to 1024 tokens); the default
 # model ends 7 of 16 first answers by itself within 512 and runs 8 on past 1024, so 512 keeps most whole answers
