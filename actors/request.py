@@ -139,6 +139,11 @@ class Request:
         return self.prompt_ids, -1
 
     @property
+    def kv_len(self) -> int:
+        """How many tokens `kv_tokens` holds (without building the list)."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+    @property
     def max_new_tokens(self) -> int:
         return min(self.params.max_tokens, self.max_model_len - len(self.prompt_ids))
 

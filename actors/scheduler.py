@@ -269,7 +269,7 @@ class Scheduler:
         limit = min(self.config.short_prefill_tokens, self.config.max_num_batched_tokens)  # one step: done
         if limit <= 0 or self._after_short_prefill:
             return False
-        need = sum(len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling)
+        need = sum(r.kv_len - len(r.slots) for r in self.prefilling)
         prompts = len(self.prefilling)
         room = self.config.max_running_requests - len(self.running) - len(self.prefilling)
         for request in list(self.waiting)[: max(room, 0)]:
@@ -283,13 +283,15 @@ class Scheduler:
         return not self._joins_plain_load() and self.policy.prefill_ahead_pays(
             [r.rid for r in self.running], sum(r.seq_len for r in self.running), prompts)
 
+    def _cached_prefix(self, request: Request):
+        """The prefix cache's longest match for the request's KV tokens: (node, slots); at least its last
+        token is left to compute (its logits, and the draft's input there, come from that forward)."""
+        tokens, known_next = request.kv_tokens()
+        return self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)
+
     def _uncached(self, request: Request) -> int:
         """Tokens a waiting request's prefill would compute now, beyond the prefix cache."""
-        tokens, known_next = request.kv_tokens()
-        if self.cache is None:
-            return len(tokens)
-        matched = self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)[1]
-        return len(tokens) - len(matched)
+        return request.kv_len - (0 if self.cache is None else len(self._cached_prefix(request)[1]))
 
     def _prefill_order(self) -> list[Request]:
         """The prompts a step may prefill, in the order they take its token budget. "fcfs": the partly
@@ -302,7 +304,7 @@ class Scheduler:
         for request in self.waiting:
             if request.prefill_estimate is None:
                 request.prefill_estimate = self._uncached(request)
-        left = {id(r): len(r.kv_tokens()[0]) - len(r.slots) for r in self.prefilling}
+        left = {id(r): r.kv_len - len(r.slots) for r in self.prefilling}
 
         def key(r: Request) -> tuple:
             if self._overdue(r):
@@ -488,16 +490,14 @@ class Scheduler:
         return self.slots.alloc(n)
 
     def _admit(self, request: Request) -> None:
-        """Take the longest cached prefix of the request's tokens (at least its last token is left
-        to compute: its logits, and the draft's input there, come from that forward)."""
-        tokens, known_next = request.kv_tokens()
+        """Take the longest cached prefix of the request's tokens (`_cached_prefix`)."""
         request.admit_seq = next(self._admissions)
         if self.cache is None:
             return
-        node, slots = self.cache.match(tokens + ([known_next] if known_next >= 0 else []), len(tokens) - 1)
+        node, slots = self._cached_prefix(request)
         self.cache.lock(node)
         request.cache_node, request.slots, request.num_cached = node, slots, len(slots)
-        self.cache.query_tokens += len(tokens)
+        self.cache.query_tokens += request.kv_len
         self.cache.hit_tokens += len(slots)
 
     def _drop_kv(self, request: Request, keep: bool = False) -> None:
@@ -628,7 +628,7 @@ class Scheduler:
                     self._admit(request)
                     self.prefilling.append(request)
                     admitted.append(request)
-                remaining = len(request.kv_tokens()[0]) - len(request.slots)
+                remaining = request.kv_len - len(request.slots)
                 n = min(remaining, budget, self.num_free_slots - reserve)
                 pool_short = n < 1 or (fresh and n < min(remaining, budget))
                 if pool_short or (shortest and requests and n < remaining):
@@ -680,8 +680,7 @@ class Scheduler:
         room = max(0, self.config.max_running_requests - len(self.running) - len(self.prefilling))
         joining = list(self.prefilling) + list(itertools.islice(self.waiting, room))
         batch = len(self.running) + len(joining)
-        context = sum(r.seq_len for r in self.running) + sum(
-            len(r.prompt_ids) + max(len(r.output_ids) - 1, 0) for r in joining)  # each one's kv_tokens
+        context = sum(r.seq_len for r in self.running) + sum(r.kv_len for r in joining)
         return self.policy.decodes_plain(batch, context)
 
     def _plan_decode(self, rows: list[int] | None = None) -> "StepPlan":

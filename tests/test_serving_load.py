@@ -201,10 +201,11 @@ def test_short_prompt_rides_in_a_plain_decode_step(request, spec, caps):
     _assert_kv_back(engine.scheduler)
 
 
-def _staggered(engine, arrivals, watch=None):
+def _staggered(engine, arrivals, watch=None, first=None):
     """Requests submitted at given steps ({step: [(prompt, params)]}), stepped to the end;
-    `watch(scheduler, plan)` sees every committed plan. Returns the outputs in submission order."""
-    sched, reqs, step = engine.scheduler, [], 0
+    `watch(scheduler, plan)` sees every committed plan; `first`, where given, gets each request's
+    step of its first token, in submission order. Returns the outputs in submission order."""
+    sched, reqs, firsts, step = engine.scheduler, [], {}, 0
     commit = sched.commit
 
     def watch_commit(plan, *args):
@@ -216,7 +217,10 @@ def _staggered(engine, arrivals, watch=None):
     while step <= max(arrivals) or sched.has_unfinished():
         reqs += [sched.find(sched.add_request(p, params)) for p, params in arrivals.get(step, [])]
         sched.step()
+        firsts.update({r.rid: step for r in reqs if r.output_ids and r.rid not in firsts})
         step += 1
+    if first is not None:
+        first.extend(firsts[r.rid] for r in reqs)
     return [r.output() for r in reqs]
 
 
@@ -252,14 +256,9 @@ def test_short_prompt_prefills_ahead_of_the_running_decode(request):
 
 
 def _first_token_steps(engine, arrivals):
-    """`_staggered`, also returning the step each request got its first token at (submission order)."""
-    sched, reqs, first, step = engine.scheduler, [], {}, 0
-    while step <= max(arrivals) or sched.has_unfinished():
-        reqs += [sched.find(sched.add_request(p, params)) for p, params in arrivals.get(step, [])]
-        sched.step()
-        first.update({r.rid: step for r in reqs if r.output_ids and r.rid not in first})
-        step += 1
-    return [r.output() for r in reqs], [first[r.rid] for r in reqs]
+    """`_staggered`'s outputs and each request's first-token step (submission order)."""
+    first = []
+    return _staggered(engine, arrivals, first=first), first
 
 
 @pytest.mark.parametrize("spec", [("EAGLE3", "tiny_eagle3_own", 2, 6, 3), ("NONE", None, 1, 1, 1)])
