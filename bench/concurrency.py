@@ -32,9 +32,9 @@ start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick
 --max-tokens 64 --repeats 2 --plot`. Every engine's KV pool holds the largest level of the longest
 prompt at once, so that run's six engines want ~24 GB for 64 long prompts; on a 24 GB machine run the
 short prompts at every level and the long ones up to 16 as two commands (9 and 7 minutes on the
-2-core CPU, docs/benchmarks.md "Session 11"). With two or more repeats each config has two engines,
-built in mirrored order (`build_order`; `--no-mirror`: one): engines built earlier in a process step
-1-4% slower, which one build order would hand to some configs.
+2-core CPU, docs/benchmarks.md "Session 11"). Each local engine runs in a process of its own
+(`bench.engine_process`; `--no-engine-processes`: all in this one): in one process, engines built
+earlier step slower, by up to 5%.
 """
 
 from __future__ import annotations
@@ -47,13 +47,15 @@ import math
 import shlex
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from bench.configs import REFERENCE, add_engine_args, kv_slots_for, parse_config
+from bench.engine_process import start_engine
 from bench.spec_bench import DEFAULT_QUESTIONS, load_questions, messages
-from graphs import SamplingParams, build_graph
+from graphs import SamplingParams
 from graphs.chat_ids import encode_chat
 from graphs.engine import LocalEngine
 from models.build import ModelSource, load_tokenizer
@@ -133,43 +135,37 @@ def turn_order(keys: list, turn: int) -> list:
     return list(keys) if turn % 2 == 0 else list(reversed(keys))
 
 
-def build_order(keys: list, copies: int) -> list[tuple[int, object]]:
-    """(copy, config key) in the order engines are built: in one process, engines built earlier step
-    slower (three identical `none` engines stepped in turns: 37.7 / 37.1 / 36.8 ms at batch 1 and
-    64.8 / 63.8 / 62.3 ms at 16, fp32; docs/benchmarks.md, session 19; the cause is not found). One copy:
-    the reference last, so no config gains from being built after it. Two: the second copy in the
-    first's reverse order, so every config's copies sit at the same mean position and the bias cancels
-    over the repeats that alternate between them."""
-    first = [(0, key) for key in sorted(keys, key=lambda k: k[1] == REFERENCE)]
-    return first + [(1, key) for _, key in reversed(first)] if copies == 2 else first
+def warm_up(conversation: list[dict], engine) -> None:
+    """A few tokens through a freshly built engine, before anything is timed."""
+    engine.chat([conversation], SamplingParams(max_tokens=4, temperature=0.0))
 
 
 def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
             repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3,
-            copies: int = 1) -> dict:
+            threads: int | None = None, engine_processes: bool = True) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
     tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `level_runs` of
     distinct prompts; every run of every repeat, each prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
     time, speedup is over `none` in the same dtype and prompts; each run's tokens are checked against
-    `none`'s run of the same prompts. `copies`: engines per config (2: built in mirrored order,
-    `build_order`, repeats alternating between them; twice the memory)."""
-    built = {}
+    `none`'s run of the same prompts. Engines are built one at a time (each one's start-up cost probe
+    alone on the machine), local ones each in a process of their own with `threads` unless
+    `engine_processes` is False (`start_engine`)."""
+    engines = {}
     try:
-        for copy, key in build_order(list(configs), copies):
-            built[copy, key] = engine = build_graph(configs[key])
-            engine.chat(next(iter(prompt_sets.values()))[:1], SamplingParams(max_tokens=4, temperature=0.0))
+        warm = partial(warm_up, next(iter(prompt_sets.values()))[0])
+        for key, config in configs.items():
+            engines[key] = start_engine(config, threads, warm, engine_processes)
         results: dict[str, dict] = {}
         for level in levels:
             runs = {(kind, *key): [] for kind in prompt_sets for key in configs}
             turn = 0
-            for repeat in range(repeats):
-                engines = {key: built[repeat % copies, key] for key in configs}  # turns in the configs' order
+            for _ in range(repeats):
                 first = 0
                 for count, in_flight in level_runs(level, prompts_per_level, arrival, rounds):
                     for kind, conversations in prompt_sets.items():
                         for key in turn_order(list(engines), turn):
                             batch = conversations[first:first + count]
-                            runs[(kind, *key)].append(run_level(engines[key], batch, in_flight, max_tokens))
+                            runs[(kind, *key)].append(engines[key].call(run_level, batch, in_flight, max_tokens))
                         turn += 1
                     first += count
             for (kind, dtype, name), rs in runs.items():
@@ -196,7 +192,7 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
                       file=sys.stderr)
         return results
     finally:
-        for engine in built.values():
+        for engine in engines.values():
             engine.shutdown()
 
 
@@ -244,9 +240,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--dtypes", default=None, help="comma-separated dtypes, each config in each (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
-    p.add_argument("--mirror", action=argparse.BooleanOptionalAction, default=True,
-                   help="with 2+ repeats, two engines per config built in mirrored order, repeats alternating "
-                        "between them, so the build-order bias cancels (twice the memory)")
+    p.add_argument("--engine-processes", action=argparse.BooleanOptionalAction, default=True,
+                   help="each local engine in a process of its own (in one process, engines built earlier step "
+                        "slower); --no-engine-processes: all in this one, for quick runs and profilers")
     p.add_argument("--prompts-per-level", type=int, default=8,
                    help="prompts each level runs at least (batch 1: this many one at a time)")
     p.add_argument("--arrival", default="closed", choices=("closed", "wave"),
@@ -310,17 +306,17 @@ def main(argv: list[str] | None = None) -> dict:
         # Logical CPUs for every config's actors at once (they share the machine's cores).
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
-    copies = 2 if args.mirror and args.repeats >= 2 else 1
     try:
         results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
-                          args.arrival, args.rounds, copies)
+                          args.arrival, args.rounds, args.threads, args.engine_processes)
     finally:
         if args.backend == "ray":
             ray.shutdown()
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
                  "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
-                 "rounds": args.rounds, "prompts": args.prompts, "mirror": copies == 2,
+                 "rounds": args.rounds, "prompts": args.prompts,
+                 "engine_per_process": args.engine_processes and args.backend == "local",
                  "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
                  "threads": torch.get_num_threads(), "torch": torch.__version__,
                  "prompt_sources": {"short": f"train.data eval seed {EVAL_SEED}",

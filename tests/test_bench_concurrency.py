@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+from functools import partial
 
 import pytest
 
-from bench import concurrency, configs
+from bench import concurrency, configs, engine_process
 
 
 def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     out = tmp_path / "concurrency.json"
     result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram,ngram+fixed,ngram+fixed@1",
                                "--levels", "1,2", "--prompts", "short", "--dtypes", "float32", "--max-tokens", "6", "--repeats", "1",
-                               "--prompts-per-level", "2", "--rounds", "1", "--threads", "1", "--out", str(out), "--plot"])
+                               "--prompts-per-level", "2", "--rounds", "1", "--threads", "1", "--out", str(out), "--plot",
+                               "--no-engine-processes"])  # in processes: test_each_local_engine_runs_in_a_process_of_its_own
     assert list(result["results"]) == ["short-float32"]
     group = result["results"]["short-float32"]
     assert list(group) == ["none", "ngram", "ngram+fixed", "ngram+fixed@1"]
@@ -35,31 +39,37 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
     assert result["meta"]["prompts_per_level"] == 2 and result["meta"]["arrival"] == "closed"
+    assert not result["meta"]["engine_per_process"]
 
 
-def test_engines_are_built_so_that_build_order_favours_no_config(tiny_target, monkeypatch, tmp_path):
-    """Engines built earlier in a process step slower (docs/benchmarks.md, session 19). One repeat: `none`
-    is built after every other config, so no config gains from being built after it. Two: each config
-    has two engines built in mirrored order (the same mean position for every config), and the repeats
-    alternate between them. Results keep the configs' order."""
-    built, ran = [], []
-    real_build, real_run = concurrency.build_graph, concurrency.run_level
-    monkeypatch.setattr(concurrency, "build_graph", lambda cfg: built.append(cfg.algorithm.name) or real_build(cfg))
-    monkeypatch.setattr(concurrency, "run_level", lambda engine, *a: ran.append(engine) or real_run(engine, *a))
-    argv = ["--model", str(tiny_target), "--configs", "ngram", "--levels", "1", "--prompts", "short", "--dtypes",
-            "float32", "--max-tokens", "4", "--prompts-per-level", "1", "--rounds", "1", "--threads", "1",
-            "--out", str(tmp_path / "c.json")]
-    result = concurrency.main(argv + ["--repeats", "1"])
-    assert built == ["NGRAM", "NONE"]
-    assert list(result["results"]["short-float32"]) == ["none", "ngram"]
-    built.clear(), ran.clear()
-    result = concurrency.main(argv + ["--repeats", "2"])
-    assert built == ["NGRAM", "NONE", "NONE", "NGRAM"]
-    assert len(ran) == 4 and len({id(e) for e in ran}) == 4  # each repeat on its own copy of each config
-    assert list(result["results"]["short-float32"]) == ["none", "ngram"] and result["meta"]["mirror"]
-    built.clear()
-    concurrency.main(argv + ["--repeats", "2", "--no-mirror"])
-    assert built == ["NGRAM", "NONE"]
+def _pid(engine) -> int:
+    return os.getpid()
+
+
+def _fail(engine, message: str):
+    raise ValueError(message)
+
+
+def test_each_local_engine_runs_in_a_process_of_its_own(tiny_target):
+    """Engines built earlier in a process step slower (docs/benchmarks.md, sessions 19 and 24), so the
+    benchmark gives every local engine a process: calls run there, a failing call raises here with
+    the child's traceback and leaves the engine usable, a build that fails raises at start."""
+    from graphs import EngineConfig
+
+    config = EngineConfig(model=str(tiny_target), kv_slots=256)
+    warm = partial(concurrency.warm_up, [{"role": "user", "content": "hi"}])
+    first, second = (engine_process.start_engine(config, 1, warm) for _ in range(2))
+    try:
+        pids = {first.call(_pid), second.call(_pid)}
+        assert len(pids) == 2 and os.getpid() not in pids
+        with pytest.raises(RuntimeError, match="ValueError: no such prompt"):
+            first.call(_fail, "no such prompt")
+        run = first.call(concurrency.run_level, [[{"role": "user", "content": "hello"}]], 1, 3)
+        assert run["tokens"] == 3 and run["cpu_s"] > 0
+    finally:
+        first.shutdown(), second.shutdown()
+    with pytest.raises(RuntimeError, match="in the engine process"):
+        engine_process.start_engine(dataclasses.replace(config, model=str(tiny_target / "missing")), 1, warm)
 
 
 def test_closed_arrival_keeps_the_level_in_flight_and_outputs_in_prompt_order(tiny_target):
