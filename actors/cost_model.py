@@ -16,8 +16,9 @@ and gains the draft tokens it accepts. Both sides are measured online, never ass
   sum_b E_b[accepted + 1] / cost(step), a tree's cost including the catch-up its draft needs first
   (the tokens the batch's requests committed in plain steps since they were last drafted for, and
   the prompt chunks that joined a load decoding plain (`decodes_plain`): the tree that resumes
-  drafting pays it, so a tree that only just beats plain decoding does not resume after a long
-  stretch of plain steps). The user's `verify_budget` and `disable_by_batch_size` cap
+  drafting pays it once, spread over the steps the load has left, so a tree that only just beats
+  plain decoding does not resume after a long stretch of plain steps, nor late in the load). The
+  user's `verify_budget` and `disable_by_batch_size` cap
   it. The cost fit starts warm (`actors.cost_probe` times a few dummy steps at engine start), so
   measuring costs little: a rival size is measured only when what one more step of it is expected to
   teach (the knowledge gradient of its rate's uncertainty at this load, over the time the batch's
@@ -601,7 +602,17 @@ class TreeSizePolicy:
                 return self._chosen(n)
         tokens = self.expected_tokens(rids, candidates)
         cost = {n: self.step_cost(n, batch, context_tokens, self.catch_up_tokens(rids, n)) for n in candidates}
-        rate = {n: tokens[n] / cost[n] for n in candidates}
+        # A tree's catch-up is paid once and buys drafting for the steps the load has left: its rate is
+        # charged the catch-up spread over those steps (at most `DEFAULT_HORIZON`). Charged to this one
+        # step's rate, it grew with every plain step (a token a request), so a fit that had put a few
+        # ms on a catch-up token, from one or two such steps, kept the load plain until its requests
+        # ended, and the plain steps, which catch nothing up, never corrected it (2 long requests in bf16:
+        # 173 of 227 steps plain at 1.14x plain decoding, where the full trees ran 1.64x; session 28).
+        rate = {}
+        for n in candidates:
+            steady = self.step_cost(n, batch, context_tokens)
+            steps = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens[n]
+            rate[n] = tokens[n] / (steady + (cost[n] - steady) / min(max(steps, 1.0), DEFAULT_HORIZON))
         best = self._best(rate)
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
         # flat in between), at most one measured every `explore_every` steps, then every 2, 4, ... times

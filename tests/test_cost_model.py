@@ -429,24 +429,29 @@ def test_a_long_context_load_decoding_plain_keeps_its_trees_cost_right():
     assert abs(predicted / cost(8, 2, 2 * 1536) - 1) < 0.1
 
 
-def _run(policy: TreeSizePolicy, rids: list[int], context: int, cost, accept, steps: int) -> list[int]:
+def _run(policy: TreeSizePolicy, rids: list[int], context: int, cost, accept, steps: int,
+         tokens_left: float | None = None) -> list[int]:
     """As `_feed`, with cost(nodes, catch_up) seconds: catch_up is what the step's draft must first
-    extend over (tokens its requests committed in plain steps since they were last drafted for)."""
+    extend over (tokens its requests committed in plain steps since they were last drafted for);
+    `tokens_left`: what each request may still decode (`TreeSizePolicy.choose`)."""
     chosen = []
     for _ in range(steps):
-        nodes = policy.choose(rids, context)
+        nodes = policy.choose(rids, context, tokens_left)
         chosen.append(nodes)
         policy.observe(rids, context, nodes, cost(nodes, policy.catch_up_tokens(rids, nodes)),
                        [accept(nodes)] * len(rids))
     return chosen
 
 
-@pytest.mark.parametrize("per_token,resumes", [(0.002, False), (0.00001, True)])
-def test_the_tree_that_resumes_drafting_pays_the_catch_up(per_token, resumes):
+@pytest.mark.parametrize("per_token,tokens_left,resumes", [(0.002, 4, False), (0.002, 200, True),
+                                                          (0.00001, 4, True)])
+def test_the_tree_that_resumes_drafting_pays_the_catch_up(per_token, tokens_left, resumes):
     """A one-level tree beats plain decoding by half in steady state (2 tokens for 1.3x a plain step),
     at 16 requests. After 40 plain steps each request's draft waits behind 40 tokens: where catching
-    up costs 2 ms a token (1.28 s, 13 plain steps) the first tree would lose far more than it
-    gains, so plain decoding goes on; where it costs next to nothing the tree resumes at once."""
+    up costs 2 ms a token (1.28 s, 13 plain steps) and the requests have 4 tokens left, the tree
+    would lose far more than it gains, so plain decoding goes on; with 200 left (100 tree steps)
+    the catch-up pays for itself and the tree resumes, as it does at once where catching up costs
+    next to nothing. (Charged to one step, the catch-up kept the load plain whatever it had left.)"""
     policy = _policy(tree_size=2, draft_depth=1)
     rids = list(range(16))
     cost = lambda nodes, catch_up: 0.100 * (1.3 if nodes == 2 else 1.0) + per_token * catch_up  # noqa: E731
@@ -459,7 +464,7 @@ def test_the_tree_that_resumes_drafting_pays_the_catch_up(per_token, resumes):
     _run(policy, rids, 16 * 300, cost, lambda nodes: 1, steps=40)
     policy.forced = None
     assert policy.catch_up_tokens(rids, 2) == 16 * 40 and policy.catch_up_tokens(rids, 1) == 0
-    chosen = _run(policy, rids, 16 * 300, cost, lambda nodes: 1, steps=1)
+    chosen = _run(policy, rids, 16 * 300, cost, lambda nodes: 1, steps=1, tokens_left=tokens_left)
     assert chosen == ([2] if resumes else [1])
 
 
