@@ -52,7 +52,7 @@ def _serve(conn, config, threads: int | None, warm_up) -> None:
 
 
 class EngineProcess:
-    """`build_graph(config)` in a spawned process; `call(fn, *args)` runs `fn(engine, *args)` there
+    """`build_graph(config)` in a process of its own; `call(fn, *args)` runs `fn(engine, *args)` there
     (fn and args pickled: module-level functions and plain data) and returns its result."""
 
     def __init__(self, config, threads: int | None, warm_up):
