@@ -611,7 +611,7 @@ class TreeSizePolicy:
         rate = {}
         for n in candidates:
             steady = self.step_cost(n, batch, context_tokens)
-            steps = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens[n]
+            steps = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / max(tokens[n], 1.0)
             rate[n] = tokens[n] / (steady + (cost[n] - steady) / min(max(steps, 1.0), DEFAULT_HORIZON))
         best = self._best(rate)
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be

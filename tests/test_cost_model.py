@@ -703,3 +703,10 @@ def test_measuring_steps_back_off_across_a_requests_growing_context():
             policy.observe([rid], context, nodes, 0.060 * (1.0 if nodes == 1 else 1.8), [accepted])
         policy.forget(rid)
     assert len(chosen) - chosen.count(1) <= 10  # 7 (a wait per context regime: 20)
+
+
+def test_a_step_with_no_requests_chooses_without_failing():
+    """A scheduler step can plan a decode of no requests (every running one preempted; a rank with no
+    work runs an idle input): the catch-up's horizon, tokens left over tokens a step, is then 0 / 0."""
+    policy = _probed(lambda nodes, batch, context: 0.040 + 0.001 * batch * nodes)
+    assert policy.choose([], 0, 0.0) in policy.buckets
