@@ -595,6 +595,8 @@ class TreeSizePolicy:
         cap = capped_size(self.tree_size, batch, self.verify_budget, self.disable_by_batch_size)
         if not self.adaptive or cap == 1:
             return self._chosen(cap)
+        if not rids:  # a plan of no requests (all preempted, an idle rank): nothing to choose or learn
+            return 1
         self.step += 1
         candidates = [n for n in self.buckets if n <= cap]
         for n in (candidates[-1], candidates[0]):
@@ -611,7 +613,7 @@ class TreeSizePolicy:
         rate = {}
         for n in candidates:
             steady = self.step_cost(n, batch, context_tokens)
-            steps = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / max(tokens[n], 1.0)
+            steps = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens[n]
             rate[n] = tokens[n] / (steady + (cost[n] - steady) / min(max(steps, 1.0), DEFAULT_HORIZON))
         best = self._best(rate)
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
