@@ -613,7 +613,7 @@ class TreeSizePolicy:
         rate = {}
         for n in candidates:
             steady = self.step_cost(n, batch, context_tokens)
-            steps = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens[n]
+            steps = self._steps_left(tokens_left, batch, tokens[n])
             rate[n] = tokens[n] / (steady + (cost[n] - steady) / min(max(steps, 1.0), DEFAULT_HORIZON))
         best = self._best(rate)
         # Rivals: the best's neighbours, the full tree and the plain step (the payoff over sizes can be
@@ -627,7 +627,7 @@ class TreeSizePolicy:
             self.best_at[regime], self.wait[load] = best, self.explore_every
         wait = self.wait.get(load, self.explore_every)
         if rivals and self.step - self.explored >= wait:
-            steps_left = DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens[best]
+            steps_left = self._steps_left(tokens_left, batch, tokens[best])
             value = {r: self._measuring_value(r, best, rids, context_tokens, tokens, cost, rate, steps_left)
                      for r in rivals}
             rival = max(value, key=value.get)
@@ -636,6 +636,12 @@ class TreeSizePolicy:
                 self.wait[load] = min(2 * wait, MAX_BACKOFF * self.explore_every)
                 return self._chosen(rival)
         return self._chosen(best)
+
+    @staticmethod
+    def _steps_left(tokens_left: float | None, batch: int, tokens: float) -> float:
+        """Steps a load of `batch` requests with `tokens_left` each to decode lasts at `tokens` a step
+        (None: `DEFAULT_HORIZON`)."""
+        return DEFAULT_HORIZON if tokens_left is None else tokens_left * batch / tokens
 
     def _measuring_value(self, rival: int, best: int, rids: list[int], context_tokens: int, tokens: dict,
                          cost: dict, rate: dict, steps_left: float) -> float:
