@@ -4,10 +4,11 @@ A step that verifies N nodes per request costs more than a plain step (N = 1, th
 and gains the draft tokens it accepts. Both sides are measured online, never assumed:
 
 * `StepCostModel`: step seconds, a decayed least-squares fit linear in the verify rows, the context
-  they attend to, the draft's passes, the batch and the draft's catch-up (what a verify row, a draft
-  level and a caught-up token cost at this load, measured from the steps the engine runs), each step
-  charged for the trees the target really verified; a size is predicted to cost what the trees it
-  recently verified cost (the draft's `min_path_prob` cuts unsure trees short).
+  they attend to, the draft's passes and the batch (what a verify row and a draft level cost at this
+  load, measured from the steps the engine runs), each step charged for the trees the target really
+  verified; a size is predicted to cost what the trees it recently verified cost (the draft's
+  `min_path_prob` cuts unsure trees short). The draft's catch-up, timed on its own by the drafter,
+  has a fit of its own in the tokens caught up.
 * `AcceptanceModel`: per draft depth, the decayed rate at which the full tree's token there is
   accepted given the one before it was; per smaller size, what it keeps of that; per request, its
   level against both, learnt from its drafting steps of any size.
@@ -211,41 +212,51 @@ class StepCostModel:
     verifies n nodes per request in trees L draft levels deep (the trees the target really verified:
     the draft's `min_path_prob` cuts unsure ones short), one decayed linear fit over every step taken:
 
-        cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + i U + j C
+        cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + j C  (+ catch-up(U))
 
     (fixed per step; per request; per verify row; attention of the rows over the context; D = 1 when
     the step drafts at all: the draft's extend over the accepted tokens and its top-k head, per step
     and per drafted request; V = max(L - 1, 0) beam levels past the first, whose candidates come from
     the extend's head, each over every request's beams; attention of the draft's passes over the
-    context, which makes long-context trees dearer on the draft's side too; U = catch-up tokens, those
-    plain steps left waiting (`actors.draft_runner`) that this step's draft must first extend over;
-    reading every request's cached K/V once, whatever its rows: without this term a long-context load
+    context, which makes long-context trees dearer on the draft's side too; reading every request's
+    cached K/V once, whatever its rows: without this term a long-context load
     decoding plain charged its KV reads to the rows, and 8-node trees over 1-2k-token prompts were
     predicted at 52-65 ms where they took 38-45, docs/benchmarks.md "Session 18").
     A one-level tree runs no beam level: a single levels term charged it a share of the full tree's
     levels and mispredicted it. One fit for all tree sizes, so a plain step measured at this load also
-    tells what a tree's fixed and per-request parts cost, and the other way round."""
+    tells what a tree's fixed and per-request parts cost, and the other way round.
 
-    NUM_FEATURES = 10
+    U = catch-up tokens, those plain steps and deferred prompt chunks left waiting (`actors.draft_runner`)
+    that a step's draft must first extend over, in one prefill-shaped forward the drafter times
+    (`DraftExtendInput.catch_up_s`): catch-up(U) = k + m U, its own decayed fit over every catch-up,
+    and a step's seconds less its catch-up's teach the fit above. Inferred from whole steps, as one
+    more feature of that fit, its weight rested on the first tree after each run of plain steps (the
+    only steps where U is not 0): one or two of them set it, at 0.26-9 ms a token in bf16 where the
+    forward takes ~0.04 (a 512-token prompt chunk's draft extend, ~19 ms on the AMX CPU), and kept
+    trees from resuming (docs/benchmarks.md, sessions 28-29). Before any catch-up is timed it is
+    predicted free: the tree that resumes first times one."""
 
-    def __init__(self, decay: float = 0.97):
+    NUM_FEATURES = 9
+
+    def __init__(self, decay: float = 0.97, catch_up_decay: float = 0.9):
         self.fit = DecayedLinearFit(self.NUM_FEATURES, decay)
+        self.catch_up = DecayedLinearFit(2, catch_up_decay)  # seconds ~ k + m U over timed catch-ups
         self.counts: dict[int, float] = {}  # decayed steps seen per tree size
 
     @staticmethod
-    def _features(nodes: float, depth: float, batch: int, context_tokens: int, catch_up: int,
-                  drafts: bool | None) -> list[float]:
+    def _features(nodes: float, depth: float, batch: int, context_tokens: int, drafts: bool | None) -> list[float]:
         context = context_tokens / _CONTEXT_UNIT
         d = float(depth > 0 if drafts is None else drafts)
         return [1.0, float(batch), batch * nodes, nodes * context, d, d * batch,
-                max(depth - 1.0, 0.0) * batch, depth * context, float(catch_up), context]
+                max(depth - 1.0, 0.0) * batch, depth * context, context]
 
     def observe(self, nodes: float, depth: float, batch: int, context_tokens: int, seconds: float,
-                catch_up: int = 0, *, drafts: bool | None = None, size: int | None = None) -> None:
-        """A step verified `nodes` per request in a tree `depth` deep; `drafts`: whether the draft ran
+                catch_up_s: float = 0.0, *, drafts: bool | None = None, size: int | None = None) -> None:
+        """A step verified `nodes` per request in a tree `depth` deep in `seconds`, `catch_up_s` of them
+        the draft's catch-up (`observe_catch_up` learns that part); `drafts`: whether the draft ran
         (default: depth > 0; a tree the draft's confidence cut to its root still paid the draft's
         extend); `size`: the tree size chosen for it, whose steps `samples` counts (default `nodes`)."""
-        self.fit.observe(self._features(nodes, depth, batch, context_tokens, catch_up, drafts), seconds)
+        self.fit.observe(self._features(nodes, depth, batch, context_tokens, drafts), max(seconds - catch_up_s, 0.0))
         for n in self.counts:
             self.counts[n] *= self.fit.decay
         key = int(nodes) if size is None else size
@@ -254,10 +265,19 @@ class StepCostModel:
     def samples(self, size: int) -> float:
         return self.counts.get(size, 0.0)
 
-    def predict(self, nodes: float, depth: float, batch: int, context_tokens: int, catch_up: int = 0,
-                drafts: bool | None = None) -> float:
-        """Expected step seconds (never below a microsecond: an extrapolated line can dip under 0)."""
-        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens, catch_up, drafts)))
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The drafter caught up `tokens` waiting tokens in `seconds` (in any step: a prompt chunk that hit a
+        cached prefix whose draft KV waited, or a request at `MAX_DRAFT_LAG`, teaches it too)."""
+        self.catch_up.observe([1.0, float(tokens)], seconds)
+
+    def predict(self, nodes: float, depth: float, batch: int, context_tokens: int, drafts: bool | None = None) -> float:
+        """Expected step seconds, catch-up aside (never below a microsecond: an extrapolated line can dip
+        under 0)."""
+        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens, drafts)))
+
+    def predict_catch_up(self, tokens: int) -> float:
+        """Expected seconds of catching up `tokens` waiting tokens (0 for none)."""
+        return self.catch_up.predict([1.0, float(tokens)]) if tokens > 0 else 0.0
 
 
 class AcceptanceModel:
@@ -552,15 +572,16 @@ class TreeSizePolicy:
         return width / weight, depth / weight
 
     def step_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
-        """Predicted seconds of a step choosing `nodes` per request (`verified_shape`): the fit's, scaled
-        by what this size's steps at this load took over it (`CALIBRATION_DECAY`)."""
+        """Predicted seconds of a step choosing `nodes` per request (`verified_shape`) whose draft first
+        catches up `catch_up` tokens: the fit's, scaled by what this size's steps at this load took over
+        it (`CALIBRATION_DECAY`), and the catch-up's own."""
         ratio, steps = self.calibration.get((nodes, *self._regime(batch, context_tokens)), (0.0, 0.0))
         scale = (ratio + CALIBRATION_PRIOR_STEPS) / (steps + CALIBRATION_PRIOR_STEPS)
-        return scale * self._fit_cost(nodes, batch, context_tokens, catch_up)
+        return scale * self._fit_cost(nodes, batch, context_tokens) + self.costs.predict_catch_up(catch_up)
 
-    def _fit_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int) -> float:
+    def _fit_cost(self, nodes: int, batch: int, context_tokens: int) -> float:
         width, depth = self.verified_shape(nodes)
-        return self.costs.predict(width, depth, batch, context_tokens, catch_up, drafts=self.depth(nodes) > 0)
+        return self.costs.predict(width, depth, batch, context_tokens, drafts=self.depth(nodes) > 0)
 
     @staticmethod
     def _regime(batch: int, context_tokens: int) -> tuple[int, int]:
@@ -669,11 +690,12 @@ class TreeSizePolicy:
 
     def observe(self, rids: list[int], context_tokens: int, nodes: int, seconds: float | None,
                 accepted: list[int], verified: tuple[int, int] | None = None,
-                accepted_nodes: list[list[int]] | None = None) -> None:
-        """A decode step chose `nodes` per request and ran in `seconds` (None: not timed alone); each
-        request accepted `accepted[b]` draft tokens, at ranked tree nodes `accepted_nodes[b]` (-1 pads;
-        None: not known); `verified`: the (nodes, depth) of the widest tree the target verified
-        (default: the uncut tree of `nodes`)."""
+                accepted_nodes: list[list[int]] | None = None, catch_up_s: float = 0.0) -> None:
+        """A decode step chose `nodes` per request and ran in `seconds` (None: not timed alone), `catch_up_s`
+        of them its draft's catch-up (`observe_catch_up` learns that part); each request accepted
+        `accepted[b]` draft tokens, at ranked tree nodes `accepted_nodes[b]` (-1 pads; None: not known);
+        `verified`: the (nodes, depth) of the widest tree the target verified (default: the uncut tree of
+        `nodes`)."""
         depth = self.depth(nodes)
         width, verified_depth = verified if verified is not None else (nodes, depth)
         if depth:
@@ -693,10 +715,10 @@ class TreeSizePolicy:
             key = (nodes, *self._regime(len(rids), context_tokens))
             if self.costs.samples(nodes) > 0:  # a fit that never saw this size predicts nothing to calibrate
                 ratio, steps = self.calibration.get(key, (0.0, 0.0))
-                took = seconds / self._fit_cost(nodes, len(rids), context_tokens, catch_up)
+                took = max(seconds - catch_up_s, 0.0) / self._fit_cost(nodes, len(rids), context_tokens)
                 took = min(max(took, 1.0 / CALIBRATION_BOUND), CALIBRATION_BOUND)
                 self.calibration[key] = (CALIBRATION_DECAY * ratio + took, CALIBRATION_DECAY * steps + 1.0)
-            self.costs.observe(width, verified_depth, len(rids), context_tokens, seconds, catch_up,
+            self.costs.observe(width, verified_depth, len(rids), context_tokens, seconds, catch_up_s,
                                drafts=depth > 0, size=nodes)
             for k in self.measured:
                 self.measured[k] *= self.costs.fit.decay
@@ -705,6 +727,11 @@ class TreeSizePolicy:
             w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))
             self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + verified_depth, SHAPE_DECAY * weight + 1.0)
         self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.rates[: self.draft_depth]]
+
+    def observe_catch_up(self, tokens: int, seconds: float) -> None:
+        """The drafter caught up `tokens` waiting tokens in `seconds`, in a step of any kind."""
+        if tokens > 0:
+            self.costs.observe_catch_up(tokens, seconds)
 
     def forget(self, rid: int) -> None:
         self.acceptance.forget(rid)

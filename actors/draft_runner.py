@@ -12,6 +12,8 @@ batches stay rectangular; 1 is a plain decode step (the root alone, nothing draf
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from actors.cost_model import MAX_DRAFT_LAG
@@ -209,6 +211,7 @@ class DraftRunner:
         self.hidden_spec = get_draft_recurrent_hidden_state_spec(self.algorithm, target.config, draft.config, self.dtype)
         self.shifted = self.algorithm.is_eagle
         self._pending: dict[int, tuple[int, int, int, torch.Tensor | None, int]] = {}  # see _defer
+        self._spent = (0, 0.0)  # this step's catch-up so far: tokens, seconds (`extend` reports it)
 
     def use_step_graphs(self, capture: bool) -> None:
         """Run propose levels and extends through `StepGraphs` (captured when `capture` and on CUDA,
@@ -230,7 +233,14 @@ class DraftRunner:
     def extend(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
         """Write draft KV for the committed tokens; return the next DraftInput per request. The
         tokens of a plain decode step (one verify node) and the prompt chunks the scheduler marks
-        (`meta.defer_draft`) wait instead (`_defer`)."""
+        (`meta.defer_draft`) wait instead (`_defer`). Sets `ext.catch_up_tokens` / `catch_up_s` to
+        the step's catch-ups (its propose's and its own), which `ext` carries back to the scheduler."""
+        out = self._extend_step(meta, ext)
+        ext.catch_up_tokens, ext.catch_up_s = self._spent
+        self._spent = (0, 0.0)
+        return out
+
+    def _extend_step(self, meta: BatchMeta, ext: DraftExtendInput) -> DraftInput:
         if ext.num_requests == 0:
             return DraftInput.create_idle(self.hidden_spec, self.topk if self.shifted else 0)
         if self.input_spec is not None:
@@ -316,7 +326,9 @@ class DraftRunner:
         `prefix_lens[i]` of its committed slots `prefix[i]`, (R, L)) in one forward; returns those
         requests' DraftInput rows. Requests that hit one cached prefix share its slots, and may share
         waiting ones there: each row extends over its own copy of them (the same token, position and
-        target hidden row write the same draft KV), and they stop waiting once all have run."""
+        target hidden row write the same draft KV), and they stop waiting once all have run. Timed:
+        the tree-size policy prices catch-ups from these forwards (`_spent`)."""
+        start = time.perf_counter()
         entries = [self._pending[slot] for slots in waiting for slot in slots]
         for slots in waiting:
             for slot in slots:
@@ -329,7 +341,12 @@ class DraftRunner:
             hidden_states=hidden, extend_lens=torch.tensor([len(w) for w in waiting], dtype=torch.long),
             accept_lens=torch.zeros(len(waiting), dtype=torch.long),
         )
-        return self._write(prefix, torch.tensor(prefix_lens, dtype=torch.long), ext)
+        out = self._write(prefix, torch.tensor(prefix_lens, dtype=torch.long), ext)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        tokens, seconds = self._spent
+        self._spent = (tokens + len(entries), seconds + time.perf_counter() - start)
+        return out
 
     def _waiting(self, meta: BatchMeta) -> tuple[list[int], list[int], list[list[int]]]:
         """The rows of `meta` whose committed slots end in waiting tokens: each one's count of

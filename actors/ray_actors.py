@@ -86,7 +86,8 @@ class DraftActor(_Timed):
 
     def extend(self, meta_and_verify: tuple[BatchMeta, VerifyInput], ext: DraftExtendInput):
         meta, _ = meta_and_verify
-        return ext.without_hidden_states(), self._timed(self.drafter.extend, meta, ext)
+        draft_input = self._timed(self.drafter.extend, meta, ext)
+        return ext.without_hidden_states(), draft_input  # after the extend, which sets the step's catch-up on ext
 
 
 @ray.remote

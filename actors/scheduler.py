@@ -409,6 +409,7 @@ class Scheduler:
         request whose tokens raise ends with an error alone (retired with the finished).
         `seconds`: the step's wall time (the tree-size policy learns from decode steps)."""
         self._inflight = None
+        self.policy.observe_catch_up(ext.catch_up_tokens, ext.catch_up_s)
         if plan.kind == "prefill":
             progressed = self._commit_prefill(plan, ext, draft_input)
         elif plan.kind == "mixed":
@@ -725,7 +726,7 @@ class Scheduler:
             request.draft_depths.append(depth)
         verified = (int(ext.tree_nodes.max()), int(ext.tree_depths.max())) if ext.num_requests else None
         self.policy.observe([r.rid for r in plan.requests], int(plan.meta.seq_lens.sum()), nodes, seconds,
-                            ext.accept_lens.tolist(), verified, ext.accepted_nodes.tolist())
+                            ext.accept_lens.tolist(), verified, ext.accepted_nodes.tolist(), ext.catch_up_s)
 
     def plan_resync(self) -> "StepPlan":
         """Re-prefill every running request into fresh runners (after an actor restart), the

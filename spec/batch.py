@@ -176,6 +176,10 @@ class DraftExtendInput:
                              accepted; 0 for prefill). Nodes are ranked best first (`select_tree`), so
                              the tree of the n best would have accepted those below n: what each
                              smaller tree keeps of this one's acceptance, measured (`actors.cost_model`)
+    catch_up_tokens, catch_up_s: the step's draft catch-up (tokens that waited behind plain steps or
+                             deferred prompt chunks, extended over in one forward) and its seconds,
+                             timed by the drafter and set by its `extend`: what the tree-size policy
+                             prices a catch-up at, measured rather than inferred from whole steps
     """
 
     tokens: torch.Tensor
@@ -191,6 +195,8 @@ class DraftExtendInput:
     tree_nodes: torch.Tensor | None = None
     tree_depths: torch.Tensor | None = None
     accepted_nodes: torch.Tensor | None = None
+    catch_up_tokens: int = 0
+    catch_up_s: float = 0.0
 
     _TOKEN_FIELDS = ("tokens", "next_tokens", "positions", "slots", "hidden_states")
     _LOGPROB_FIELDS = ("logprobs", "top_logprobs", "top_ids")

@@ -210,6 +210,30 @@ def test_prompts_joining_a_plain_load_defer_their_draft_prefill(request, tiny_ta
         assert all(gained == (min(5, left) if batch <= 2 else 1) for batch, left, gained in steps)
 
 
+def test_the_drafter_times_each_catch_up_for_the_policy(tiny_target, tiny_eagle3_shared, reference):
+    """Each tree that resumes drafting reports its catch-up on the step's result, as the drafter ran it:
+    exactly the tokens its requests left waiting (their deferred prompts and plain steps' tokens) and the
+    seconds that forward took. The tree-size policy prices catch-ups from these, never inferring them
+    from whole steps."""
+    engine = _engine(tiny_target, "EAGLE3", tiny_eagle3_shared, 1, 5, 3, disable_by_batch_size=2, **FIXED_TREES)
+    sched = engine.scheduler
+    caught_up, commit = [], sched.commit
+
+    def recording(plan, ext, draft_input, seconds=None):
+        if plan.kind == "decode" and plan.meta.verify_slots.shape[1] > 1:
+            caught_up.append((sum(sched.policy.lag.get(r.rid, 0) for r in plan.requests),
+                              ext.catch_up_tokens, ext.catch_up_s))
+        return commit(plan, ext, draft_input, seconds)
+
+    sched.commit = recording
+    reqs, _ = _limited_steps(engine)
+    assert [r.output().token_ids for r in reqs] == reference
+    resumed = [c for c in caught_up if c[0] > 0]
+    assert resumed and all(tokens == waited and seconds > 0 for waited, tokens, seconds in resumed)
+    assert all(tokens == 0 for waited, tokens, _ in caught_up if waited == 0)
+    assert sched.policy.costs.predict_catch_up(100) > 0
+
+
 def test_a_burst_of_prompts_defers_its_draft_prefill_from_the_first_chunk(tiny_target, reference):
     """Prompts that arrive together decode together: the first one prefilled (one chunk a step here)
     already counts the others still queued, so a burst above disable_by_batch_size leaves the draft's

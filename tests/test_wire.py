@@ -32,6 +32,9 @@ def assert_same(a, b) -> None:
         if x is None:
             assert y is None, f.name
             continue
+        if not isinstance(x, torch.Tensor):  # a plain value (a step's catch-up count and seconds)
+            assert type(y) is type(x) and y == x, f.name
+            continue
         assert (y.dtype, y.shape) == (x.dtype, x.shape), f.name
         assert torch.equal(x, y), f.name
 
@@ -60,7 +63,7 @@ def batches() -> list:
                            slots=torch.arange(6) * 3, hidden_states=torch.randn((6, 48), generator=g),
                            extend_lens=torch.tensor([2, 3, 1]), accept_lens=torch.tensor([1, 2, 0]),
                            logprobs=torch.randn(6, generator=g), top_logprobs=torch.randn((6, 0), generator=g),
-                           top_ids=torch.zeros((6, 0), dtype=torch.long))
+                           top_ids=torch.zeros((6, 0), dtype=torch.long), catch_up_tokens=40, catch_up_s=0.0016)
     idle = [BatchMeta.create_idle(3, n), DraftInput.create_idle(hidden, 2), DraftInput.create_idle(None, 0),
             VerifyInput.create_idle(n), DraftExtendInput.create_idle(None)]
     return [meta, draft, verify, ext, ext.without_hidden_states(), *idle]
