@@ -19,13 +19,19 @@ Spec-Bench summarization and RAG questions (long contexts, where verify rows cos
 `--questions`). Configs are those of `bench.configs`: `NAME+fixed/B@N` is NAME with full trees every
 step (no adaptive choice), `verify_budget=B` and `disable_by_batch_size=N` (each part optional);
 `serve` is the `make serve` config, `serve+fixed/16` what it ran before adaptive speculation. Every
-config is loaded first in every dtype, and at each level they take turns on every wave (every prompt
-set, dtype and config, `--repeats` rounds), in an order reversed every other turn, so load from other
-processes and the machine's drift hit them alike: compare ratios within one run. Output tokens must equal `none`'s in the same dtype (greedy speculation is
-lossless); differing requests are counted. Results are grouped "PROMPTS-DTYPE"; each entry also
-holds the decode steps per tree size the engine chose (`tree_sizes`) and this process's CPU
-milliseconds per output token (`cpu_ms_per_token`, local backend: every thread of the engine) with
-its ratio to `none`'s (`cpu_ratio`), which a loaded machine distorts far less than wall time. Engines are built (and their
+config is loaded first in every dtype, and at each level they take turns, in an order reversed every
+other turn, so load from other processes and the machine's drift hit them alike: compare ratios within
+one run. `--interleave slices` (the default for local engines, closed arrival): every engine keeps its
+level in flight and they take turns `--slice-s` seconds at a time (at least `--min-slices` each, and until
+each has finished the level's prompts), timing the level's steady state only; `turns`: each config runs
+the level's prompts whole in its turn, `--repeats` rounds (the Ray backend, waves). The host's speed
+moves within seconds: identical engines read up to 11% apart over six ~7 s turns each and within 1.3%
+over twenty 1 s slices (docs/benchmarks.md, session 29). Output tokens must equal `none`'s in the same
+dtype (greedy speculation is lossless); differing requests (finished by both) are counted. Results are
+grouped "PROMPTS-DTYPE"; each entry also holds the decode steps per tree size the engine chose
+(`tree_sizes`) and this process's CPU milliseconds per output token (`cpu_ms_per_token`, local backend:
+every thread of the engine) with its ratio to `none`'s (`cpu_ratio`), which separates another process's
+load from the engine's own (a slower host, whose memory other machines share, slows both alike). Engines are built (and their
 start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick subset:
 `--levels 1,16 --prompts short --dtypes float32 --max-tokens 32 --repeats 1`; the issue's full run:
 `--levels 1,2,4,8,16,32,64 --prompts short,long --dtypes float32,bfloat16 --configs serve,serve+fixed/16
@@ -62,6 +68,8 @@ from models.build import ModelSource, load_tokenizer
 from train.data import EVAL_SEED, build_prompt_set
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "concurrency.json"
+SLICE_S = 1.0  # `--interleave slices`: seconds an engine runs before the next one's turn
+MIN_SLICES = 16  # and at least this many slices each per level and prompt set
 
 
 def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> dict:
@@ -115,6 +123,88 @@ def tree_sizes(engine) -> dict[int, int]:
     return {int(k): n for k, n in ray.get(engine.scheduler.stats.remote())["steps_by_tree_size"].items()}
 
 
+class ClosedLoop:
+    """One local engine's closed loop at a level, paused between slices (`--interleave slices`): `level`
+    requests in flight, each finished one's place going to the next prompt (the prompts repeat in order
+    when they run out) before the next step. Its requests stay in flight while another engine runs a
+    slice, so every slice is the level's steady state, not a ramp-up or a drain."""
+
+    def __init__(self, engine, conversations: list[list[dict]], level: int, max_tokens: int):
+        self.engine, self.scheduler, self.level = engine, engine.scheduler, level
+        self.prompts = [engine.encode_chat(c) for c in conversations]
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.submitted = 0
+        self.active: dict[int, tuple] = {}  # submission index -> (Request, its output tokens counted)
+        self.finished: dict[int, object] = {}  # submission index -> RequestOutput
+        self.sizes = tree_sizes(engine)
+
+    def _step(self) -> int:
+        """Fill the free places, run one engine step; the output tokens it produced."""
+        while len(self.active) < self.level:
+            ids = self.prompts[self.submitted % len(self.prompts)]
+            self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(ids, self.params)), 0)
+            self.submitted += 1
+        self.scheduler.step()
+        tokens = 0
+        for i, (request, counted) in list(self.active.items()):
+            tokens += len(request.output_ids) - counted
+            if request.finish_reason is None:
+                self.active[i] = (request, len(request.output_ids))
+                continue
+            out = self.finished[i] = request.output()
+            del self.active[i]
+            if out.error:
+                raise RuntimeError(f"request failed: {out.error}")
+        return tokens
+
+    def ramp_up(self) -> None:
+        """Untimed steps until every place holds a decoding request (or the first one ends)."""
+        self._step()
+        while (self.scheduler.waiting or self.scheduler.prefilling) and not self.finished:
+            self._step()
+        self.sizes = tree_sizes(self.engine)
+
+    def run_slice(self, seconds: float) -> dict:
+        """Steps for at least `seconds`: their wall and CPU seconds, output tokens, requests finished so far."""
+        start, cpu, tokens = time.perf_counter(), time.process_time(), 0
+        while True:
+            tokens += self._step()
+            if time.perf_counter() - start >= seconds:
+                break
+        return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "tokens": tokens,
+                "finished": len(self.finished)}
+
+    def close(self) -> dict:
+        """Abort what is in flight; the finished requests' tokens, verify steps and token ids (by submission
+        index), and the decode steps per tree size since the ramp-up."""
+        after = tree_sizes(self.engine)
+        for request, _ in self.active.values():
+            self.scheduler.abort(request.rid)
+        while self.scheduler.has_unfinished():
+            self.scheduler.step()
+        outs = self.finished
+        return {"tokens": sum(o.num_output_tokens for o in outs.values()),
+                "steps": sum(o.num_verify_steps for o in outs.values()),
+                "token_ids": {i: list(o.token_ids) for i, o in outs.items()},
+                "tree_sizes": {k: n - self.sizes.get(k, 0) for k, n in after.items() if n > self.sizes.get(k, 0)}}
+
+
+_LOOPS: dict[int, ClosedLoop] = {}  # engine id -> its loop, in the engine's process
+
+
+def open_loop(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> None:
+    loop = _LOOPS[id(engine)] = ClosedLoop(engine, conversations, level, max_tokens)
+    loop.ramp_up()
+
+
+def run_slice(engine, seconds: float) -> dict:
+    return _LOOPS[id(engine)].run_slice(seconds)
+
+
+def close_loop(engine) -> dict:
+    return _LOOPS.pop(id(engine)).close()
+
+
 def waves(level: int, prompts_per_level: int) -> int:
     """Waves of `level` prompts at once a level runs: enough for `prompts_per_level` prompts, so batch 1
     is not one prompt's acceptance."""
@@ -142,14 +232,14 @@ def warm_up(conversation: list[dict], engine) -> None:
 
 def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
             repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3,
-            threads: int | None = None, engine_processes: bool = True) -> dict:
+            threads: int | None = None, engine_processes: bool = True, interleave: str = "turns",
+            slice_s: float = SLICE_S, min_slices: int = MIN_SLICES) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
-    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Each level runs `level_runs` of
-    distinct prompts; every run of every repeat, each prompt set, dtype and config take a turn (`turn_order`). Tokens/s is total tokens over total wall
-    time, speedup is over `none` in the same dtype and prompts; each run's tokens are checked against
-    `none`'s run of the same prompts. Engines are built one at a time (each one's start-up cost probe
-    alone on the machine), local ones each in a process of their own with `threads` unless
-    `engine_processes` is False (`start_engine`)."""
+    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Configs take turns at each level
+    (`_turns` or `_slices`, by `interleave`); tokens/s is total tokens over total wall time, speedup is over
+    `none` in the same dtype and prompts; each request's tokens are checked against `none`'s of the same
+    prompt. Engines are built one at a time (each one's start-up cost probe alone on the machine), local
+    ones each in a process of their own with `threads` unless `engine_processes` is False (`start_engine`)."""
     engines = {}
     try:
         warm = partial(warm_up, next(iter(prompt_sets.values()))[0])
@@ -157,43 +247,92 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
             engines[key] = start_engine(config, threads, warm, engine_processes)
         results: dict[str, dict] = {}
         for level in levels:
-            runs = {(kind, *key): [] for kind in prompt_sets for key in configs}
-            turn = 0
-            for _ in range(repeats):
-                first = 0
-                for count, in_flight in level_runs(level, prompts_per_level, arrival, rounds):
-                    for kind, conversations in prompt_sets.items():
-                        for key in turn_order(list(engines), turn):
-                            batch = conversations[first:first + count]
-                            runs[(kind, *key)].append(engines[key].call(run_level, batch, in_flight, max_tokens))
-                        turn += 1
-                    first += count
-            for (kind, dtype, name), rs in runs.items():
-                reference = runs[(kind, dtype, REFERENCE)]
-                tps = lambda r: sum(x["tokens"] for x in r) / sum(x["wall_s"] for x in r)  # noqa: E731
-                cpu_per_token = lambda r: sum(x["cpu_s"] for x in r) / sum(x["tokens"] for x in r)  # noqa: E731
-                sizes: dict[int, int] = {}
-                for r in rs:
-                    for k, n in r["tree_sizes"].items():
-                        sizes[k] = sizes.get(k, 0) + n
-                entry = {"tokens_per_s": tps(rs), "wall_s": sum(r["wall_s"] for r in rs),
-                         "speedup": tps(rs) / tps(reference),
-                         "cpu_ms_per_token": 1e3 * cpu_per_token(rs),
-                         "cpu_ratio": cpu_per_token(rs) / cpu_per_token(reference),
-                         "acceptance_length": sum(r["tokens"] for r in rs) / max(1, sum(r["steps"] for r in rs)),
-                         "mismatches": sum(a != b for r, ref in zip(rs, reference)
-                                           for a, b in zip(r["token_ids"], ref["token_ids"]))}
-                group = results.setdefault(f"{kind}-{dtype}", {}).setdefault(name, {})
-                group[str(level)] = {**{k: round(v, 3) for k, v in entry.items()},
-                                     "requests": sum(len(r["token_ids"]) for r in rs),
-                                     "tree_sizes": {str(k): n for k, n in sorted(sizes.items())}}
+            if interleave == "slices":
+                totals = _slices(engines, level, prompt_sets, max_tokens, max(prompts_per_level, rounds * level),
+                                 slice_s, min_slices)
+            else:
+                totals = _turns(engines, level, prompt_sets, max_tokens, repeats, prompts_per_level, arrival, rounds)
+            for (kind, dtype, name), total in totals.items():
+                entry = _entry(total, totals[(kind, dtype, REFERENCE)])
+                results.setdefault(f"{kind}-{dtype}", {}).setdefault(name, {})[str(level)] = entry
                 print(f"[concurrency] {level:3d} requests {kind}-{dtype} {name:24s} {entry['tokens_per_s']:8.2f} tok/s  "
-                      f"x{entry['speedup']:.2f}  cpu x{entry['cpu_ratio']:.2f}  accept {entry['acceptance_length']:.2f}  sizes {sizes}",
-                      file=sys.stderr)
+                      f"x{entry['speedup']:.2f}  cpu x{entry['cpu_ratio']:.2f}  accept {entry['acceptance_length']:.2f}  "
+                      f"sizes {entry['tree_sizes']}", file=sys.stderr)
         return results
     finally:
         for engine in engines.values():
             engine.shutdown()
+
+
+def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int, repeats: int, prompts_per_level: int,
+           arrival: str, rounds: int) -> dict:
+    """Each config runs the level's `level_runs` whole in its turn, every repeat, prompt set and dtype
+    (`turn_order`). {(kind, dtype, name): totals (`_entry`)}."""
+    runs = {(kind, *key): [] for kind in prompt_sets for key in engines}
+    turn = 0
+    for _ in range(repeats):
+        first = 0
+        for count, in_flight in level_runs(level, prompts_per_level, arrival, rounds):
+            for kind, conversations in prompt_sets.items():
+                for key in turn_order(list(engines), turn):
+                    batch = conversations[first:first + count]
+                    runs[(kind, *key)].append(engines[key].call(run_level, batch, in_flight, max_tokens))
+                turn += 1
+            first += count
+    totals = {}
+    for key, rs in runs.items():
+        sizes: dict[int, int] = {}
+        for r in rs:
+            for k, n in r["tree_sizes"].items():
+                sizes[k] = sizes.get(k, 0) + n
+        tokens = sum(r["tokens"] for r in rs)
+        totals[key] = {"tokens": tokens, "wall_s": sum(r["wall_s"] for r in rs), "cpu_s": sum(r["cpu_s"] for r in rs),
+                       "finished_tokens": tokens, "steps": sum(r["steps"] for r in rs), "tree_sizes": sizes,
+                       "token_ids": dict(enumerate(ids for r in rs for ids in r["token_ids"]))}
+    return totals
+
+
+def _slices(engines: dict, level: int, prompt_sets: dict, max_tokens: int, requests: int, slice_s: float,
+            min_slices: int) -> dict:
+    """Every engine keeps a closed loop of `level` requests (`ClosedLoop`) and they take turns in slices of
+    `slice_s` seconds (`turn_order`), at least `min_slices` each and until each has finished `requests`
+    requests. The host's speed moves within seconds (three identical `none` engines read 248-369 tokens/s
+    in turns of ~7 s each, 0.89-1.01x of each other over six turns; in 20 slices of 1 s, within 1.3%:
+    docs/benchmarks.md, session 29), so many short alternations average it out where two long turns
+    cannot. {(kind, dtype, name): totals (`_entry`)}."""
+    totals = {}
+    for kind, conversations in prompt_sets.items():
+        for key in engines:
+            engines[key].call(open_loop, conversations, level, max_tokens)
+        timed = {key: [] for key in engines}
+        turn = 0
+        while turn < min_slices or min(ts[-1]["finished"] for ts in timed.values()) < requests:
+            for key in turn_order(list(engines), turn):
+                timed[key].append(engines[key].call(run_slice, slice_s))
+            turn += 1
+        for key, ts in timed.items():
+            closed = engines[key].call(close_loop)
+            totals[(kind, *key)] = {"tokens": sum(t["tokens"] for t in ts), "wall_s": sum(t["wall_s"] for t in ts),
+                                    "cpu_s": sum(t["cpu_s"] for t in ts), "finished_tokens": closed["tokens"],
+                                    "steps": closed["steps"], "tree_sizes": closed["tree_sizes"],
+                                    "token_ids": closed["token_ids"], "slices": len(ts)}
+    return totals
+
+
+def _entry(total: dict, reference: dict) -> dict:
+    """A config's figures at a level from its totals (timed tokens, wall and CPU seconds; finished requests'
+    tokens, verify steps and token ids by prompt) against `none`'s: requests that both finished must
+    match token for token (greedy speculation is lossless)."""
+    tps = lambda t: t["tokens"] / t["wall_s"]  # noqa: E731
+    cpu_per_token = lambda t: t["cpu_s"] / t["tokens"]  # noqa: E731
+    ids, ref = total["token_ids"], reference["token_ids"]
+    entry = {"tokens_per_s": tps(total), "wall_s": total["wall_s"], "speedup": tps(total) / tps(reference),
+             "cpu_ms_per_token": 1e3 * cpu_per_token(total), "cpu_ratio": cpu_per_token(total) / cpu_per_token(reference),
+             "acceptance_length": total["finished_tokens"] / max(1, total["steps"]),
+             "mismatches": sum(ids[i] != ref[i] for i in ids.keys() & ref.keys())}
+    return {**{k: round(v, 3) for k, v in entry.items()}, "requests": len(ids),
+            **({"slices": total["slices"]} if "slices" in total else {}),
+            "tree_sizes": {str(k): n for k, n in sorted(total["tree_sizes"].items())}}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -249,6 +388,12 @@ def parse_args(argv: list[str] | None):
                    help="closed: LEVEL requests in flight, the next prompt taking a finished one's place; "
                         "wave: LEVEL prompts at once, the next wave after the last of them")
     p.add_argument("--rounds", type=int, default=3, help="closed arrival: prompts per place at each level")
+    p.add_argument("--interleave", default=None, choices=("slices", "turns"),
+                   help="slices (the default for local engines and closed arrival): every engine keeps its level in "
+                        "flight and they take turns for --slice-s seconds at a time; turns: each runs the level's "
+                        "prompts whole in its turn, --repeats times (the Ray backend, wave arrival)")
+    p.add_argument("--slice-s", type=float, default=SLICE_S, help="slices: seconds per turn")
+    p.add_argument("--min-slices", type=int, default=MIN_SLICES, help="slices: turns per engine, at least")
     p.add_argument("--backend", default="local", choices=("local", "ray"),
                    help="ray: actors as `make serve` runs them (one CPU, so one thread, per actor)")
     p.add_argument("--out", default=str(DEFAULT_OUT))
@@ -261,6 +406,13 @@ def parse_args(argv: list[str] | None):
     if not args.prompts or set(args.prompts) - set(PROMPT_SETS):
         p.error(f"--prompts: comma-separated among {', '.join(PROMPT_SETS)}, got {','.join(args.prompts)!r}")
     args.dtypes = [d.strip() for d in (args.dtypes or args.dtype).split(",") if d.strip()]
+    sliceable = args.backend == "local" and args.arrival == "closed" and args.engine_processes
+    if args.interleave is None:
+        args.interleave = "slices" if sliceable else "turns"
+    if args.interleave == "slices" and not sliceable:
+        p.error("--interleave slices: local engines in processes of their own and closed arrival only")
+    if args.slice_s <= 0 or args.min_slices < 1:
+        p.error("--slice-s and --min-slices must be positive")
     return args
 
 
@@ -308,14 +460,16 @@ def main(argv: list[str] | None = None) -> dict:
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
     try:
         results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
-                          args.arrival, args.rounds, args.threads, args.engine_processes)
+                          args.arrival, args.rounds, args.threads, args.engine_processes, args.interleave,
+                          args.slice_s, args.min_slices)
     finally:
         if args.backend == "ray":
             ray.shutdown()
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
                  "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
-                 "rounds": args.rounds, "prompts": args.prompts,
+                 "rounds": args.rounds, "prompts": args.prompts, "interleave": args.interleave,
+                 "slice_s": args.slice_s, "min_slices": args.min_slices,
                  "engine_per_process": args.engine_processes and args.backend == "local",
                  "dtypes": [dtype for dtype, name in configs if name == REFERENCE],
                  "threads": torch.get_num_threads(), "torch": torch.__version__,

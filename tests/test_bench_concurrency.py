@@ -121,3 +121,49 @@ def test_config_names_carry_budget_and_cutoff():
     assert configs.parse_config("ngram/12", args)[1].adaptive_speculation
     _, fixed = configs.parse_config("serve+fixed/16", args)
     assert (fixed.adaptive_speculation, fixed.verify_budget, fixed.min_path_prob) == (False, 16, 0.1)
+
+
+def test_a_paused_closed_loop_keeps_its_level_in_flight_across_slices(tiny_target):
+    """`--interleave slices`: between slices the loop's requests wait in the engine; every step of every
+    slice runs the level in full (a steady state, no ramp-up or drain timed), and closing it aborts what
+    is in flight, leaving the engine as it was, with the finished requests' tokens equal to a run alone."""
+    from graphs import EngineConfig, SamplingParams, build_graph
+
+    # Prompts of 1-4 chunks of the step's token budget: their requests finish steps apart.
+    engine = build_graph(EngineConfig(model=str(tiny_target), kv_slots=2048, max_num_batched_tokens=16,
+                                      short_prefill_tokens=0))
+    free = engine.scheduler.num_free_slots
+    conversations = [[{"role": "user", "content": "word " * (3 + 12 * (i % 4))}] for i in range(5)]
+    in_flight, step = [], engine.scheduler.step
+
+    def counting_step():
+        scheduler = engine.scheduler
+        in_flight.append(len(scheduler.running) + len(scheduler.prefilling) + len(scheduler.waiting))
+        return step()
+
+    engine.scheduler.step = counting_step
+    concurrency.open_loop(engine, conversations, 3, 6)
+    in_flight.clear()
+    slices = [concurrency.run_slice(engine, 0.01) for _ in range(8)]
+    engine.scheduler.step = step
+    closed = concurrency.close_loop(engine)
+    assert in_flight and set(in_flight) == {3}
+    assert sum(s["tokens"] for s in slices) > 0 and slices[-1]["finished"] == len(closed["token_ids"]) > 5
+    assert not engine.scheduler.has_unfinished() and engine.scheduler.num_free_slots == free
+    alone = [engine.chat([c], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
+             for c in conversations]
+    assert all(ids == list(alone[i % 5]) for i, ids in closed["token_ids"].items())
+
+
+def test_sliced_levels_interleave_engines_in_processes(tiny_target, tmp_path):
+    result = concurrency.main(["--model", str(tiny_target), "--configs", "ngram", "--levels", "2",
+                               "--prompts", "short", "--dtypes", "float32", "--max-tokens", "6", "--prompts-per-level",
+                               "4", "--rounds", "1", "--threads", "1", "--slice-s", "0.05", "--min-slices", "3",
+                               "--out", str(tmp_path / "c.json")])
+    assert result["meta"]["interleave"] == "slices" and result["meta"]["engine_per_process"]
+    group = result["results"]["short-float32"]
+    none, ngram = group["none"]["2"], group["ngram"]["2"]
+    assert none["slices"] == ngram["slices"] >= 3 and min(none["requests"], ngram["requests"]) >= 4
+    assert ngram["mismatches"] == 0 and ngram["tokens_per_s"] > 0 and none["speedup"] == 1.0
+    with pytest.raises(SystemExit):  # waves run whole in turns
+        concurrency.parse_args(["--arrival", "wave", "--interleave", "slices"])
