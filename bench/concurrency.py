@@ -72,30 +72,96 @@ SLICE_S = 1.0  # `--interleave slices`: seconds an engine runs before the next o
 MIN_SLICES = 16  # and at least this many slices each per level and prompt set
 
 
+class ClosedLoop:
+    """One local engine's closed loop at a level: `level` requests in flight, each finished one's place
+    going to the next prompt before the next step. `repeat`: the prompts start over when they run out, and
+    the loop pauses between slices (`--interleave slices`): its requests stay in flight while another
+    engine runs a slice, so every slice is the level's steady state, not a ramp-up or a drain; else
+    `run_out` runs each prompt once (`run_level`)."""
+
+    def __init__(self, engine, conversations: list[list[dict]], level: int, max_tokens: int, repeat: bool = True):
+        self.engine, self.scheduler, self.level, self.repeat = engine, engine.scheduler, level, repeat
+        self.prompts = [engine.encode_chat(c) for c in conversations]
+        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.submitted = 0
+        self.active: dict[int, tuple] = {}  # submission index -> (Request, its output tokens counted)
+        self.finished: dict[int, object] = {}  # submission index -> RequestOutput
+        self.sizes = tree_sizes(engine)
+
+    def step(self) -> int:
+        """Fill the free places, run one engine step; the output tokens it produced."""
+        while len(self.active) < self.level and (self.repeat or self.submitted < len(self.prompts)):
+            ids = self.prompts[self.submitted % len(self.prompts)]
+            self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(ids, self.params)), 0)
+            self.submitted += 1
+        self.scheduler.step()
+        tokens = 0
+        for i, (request, counted) in list(self.active.items()):
+            tokens += len(request.output_ids) - counted
+            if request.finish_reason is None:
+                self.active[i] = (request, len(request.output_ids))
+                continue
+            out = self.finished[i] = request.output()
+            del self.active[i]
+            if out.error:
+                raise RuntimeError(f"request failed: {out.error}")
+        return tokens
+
+    def ramp_up(self) -> None:
+        """Untimed steps until every place holds a decoding request (or the first one ends)."""
+        self.step()
+        while (self.scheduler.waiting or self.scheduler.prefilling) and not self.finished:
+            self.step()
+        self.sizes = tree_sizes(self.engine)
+
+    def run_slice(self, seconds: float) -> dict:
+        """Steps for at least `seconds`: their wall and CPU seconds, output tokens, requests finished so far."""
+        start, cpu, tokens = time.perf_counter(), time.process_time(), 0
+        while True:
+            tokens += self.step()
+            if time.perf_counter() - start >= seconds:
+                break
+        return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "tokens": tokens,
+                "finished": len(self.finished)}
+
+    def run_out(self) -> list:
+        """Without `repeat`: steps until every prompt has run; their RequestOutputs in prompt order."""
+        while self.active or self.submitted < len(self.prompts):
+            self.step()
+        return [self.finished[i] for i in range(len(self.prompts))]
+
+    def close(self) -> dict:
+        """Abort what is in flight; the finished requests' tokens, verify steps and token ids (by submission
+        index), and the decode steps per tree size since the ramp-up."""
+        after = tree_sizes(self.engine)
+        for request, _ in self.active.values():
+            self.scheduler.abort(request.rid)
+        while self.scheduler.has_unfinished():
+            self.scheduler.step()
+        outs = self.finished
+        return {"tokens": sum(o.num_output_tokens for o in outs.values()),
+                "steps": sum(o.num_verify_steps for o in outs.values()),
+                "token_ids": {i: list(o.token_ids) for i, o in outs.items()},
+                "tree_sizes": {k: n - self.sizes.get(k, 0) for k, n in after.items() if n > self.sizes.get(k, 0)}}
+
+
 def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> dict:
     """`conversations` through `engine` with `level` requests in flight (all of them: one wave): a finished
     request's place goes to the next prompt before the next step (local backend) or as soon as its result
     is back (Ray). Wall and CPU seconds, tokens, verify steps, token ids in prompt order, and the decode
     steps per tree size the engine chose meanwhile."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = [engine.encode_chat(c) for c in conversations]
-    outs: list = [None] * len(prompts)
     before = tree_sizes(engine)
-    start, cpu = time.perf_counter(), time.process_time()
     if isinstance(engine, LocalEngine):
-        scheduler, active, queued = engine.scheduler, {}, 0
-        while queued < len(prompts) or active:
-            while queued < len(prompts) and len(active) < level:
-                active[queued] = scheduler.find(scheduler.add_request(prompts[queued], params))
-                queued += 1
-            scheduler.step()
-            for i, request in list(active.items()):
-                if request.finish_reason is not None:
-                    outs[i] = request.output()
-                    del active[i]
+        loop = ClosedLoop(engine, conversations, level, max_tokens, repeat=False)
+        start, cpu = time.perf_counter(), time.process_time()
+        outs = loop.run_out()
     else:
         import ray
 
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        prompts = [engine.encode_chat(c) for c in conversations]
+        outs: list = [None] * len(prompts)
+        start, cpu = time.perf_counter(), time.process_time()
         pending: dict = {}
         for i, ids in enumerate(prompts):
             if len(pending) == level:
@@ -121,72 +187,6 @@ def tree_sizes(engine) -> dict[int, int]:
     import ray
 
     return {int(k): n for k, n in ray.get(engine.scheduler.stats.remote())["steps_by_tree_size"].items()}
-
-
-class ClosedLoop:
-    """One local engine's closed loop at a level, paused between slices (`--interleave slices`): `level`
-    requests in flight, each finished one's place going to the next prompt (the prompts repeat in order
-    when they run out) before the next step. Its requests stay in flight while another engine runs a
-    slice, so every slice is the level's steady state, not a ramp-up or a drain."""
-
-    def __init__(self, engine, conversations: list[list[dict]], level: int, max_tokens: int):
-        self.engine, self.scheduler, self.level = engine, engine.scheduler, level
-        self.prompts = [engine.encode_chat(c) for c in conversations]
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self.submitted = 0
-        self.active: dict[int, tuple] = {}  # submission index -> (Request, its output tokens counted)
-        self.finished: dict[int, object] = {}  # submission index -> RequestOutput
-        self.sizes = tree_sizes(engine)
-
-    def _step(self) -> int:
-        """Fill the free places, run one engine step; the output tokens it produced."""
-        while len(self.active) < self.level:
-            ids = self.prompts[self.submitted % len(self.prompts)]
-            self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(ids, self.params)), 0)
-            self.submitted += 1
-        self.scheduler.step()
-        tokens = 0
-        for i, (request, counted) in list(self.active.items()):
-            tokens += len(request.output_ids) - counted
-            if request.finish_reason is None:
-                self.active[i] = (request, len(request.output_ids))
-                continue
-            out = self.finished[i] = request.output()
-            del self.active[i]
-            if out.error:
-                raise RuntimeError(f"request failed: {out.error}")
-        return tokens
-
-    def ramp_up(self) -> None:
-        """Untimed steps until every place holds a decoding request (or the first one ends)."""
-        self._step()
-        while (self.scheduler.waiting or self.scheduler.prefilling) and not self.finished:
-            self._step()
-        self.sizes = tree_sizes(self.engine)
-
-    def run_slice(self, seconds: float) -> dict:
-        """Steps for at least `seconds`: their wall and CPU seconds, output tokens, requests finished so far."""
-        start, cpu, tokens = time.perf_counter(), time.process_time(), 0
-        while True:
-            tokens += self._step()
-            if time.perf_counter() - start >= seconds:
-                break
-        return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "tokens": tokens,
-                "finished": len(self.finished)}
-
-    def close(self) -> dict:
-        """Abort what is in flight; the finished requests' tokens, verify steps and token ids (by submission
-        index), and the decode steps per tree size since the ramp-up."""
-        after = tree_sizes(self.engine)
-        for request, _ in self.active.values():
-            self.scheduler.abort(request.rid)
-        while self.scheduler.has_unfinished():
-            self.scheduler.step()
-        outs = self.finished
-        return {"tokens": sum(o.num_output_tokens for o in outs.values()),
-                "steps": sum(o.num_verify_steps for o in outs.values()),
-                "token_ids": {i: list(o.token_ids) for i, o in outs.items()},
-                "tree_sizes": {k: n - self.sizes.get(k, 0) for k, n in after.items() if n > self.sizes.get(k, 0)}}
 
 
 _LOOPS: dict[int, ClosedLoop] = {}  # engine id -> its loop, in the engine's process

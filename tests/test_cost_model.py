@@ -434,8 +434,9 @@ def _step(policy: TreeSizePolicy, rids: list[int], context: int, nodes: int, cos
     drafter times the catch-up its forward ran (cost(catch_up) - cost(0)) on its own. Returns the seconds."""
     catch_up = policy.catch_up_tokens(rids, nodes)
     seconds = cost(catch_up)
-    policy.observe_catch_up(catch_up, seconds - cost(0))
-    policy.observe(rids, context, nodes, seconds, accepted, catch_up_s=seconds - cost(0))
+    catch_up_s = seconds - cost(0)
+    policy.observe_catch_up(catch_up, catch_up_s)
+    policy.observe(rids, context, nodes, seconds, accepted, catch_up_s=catch_up_s)
     return seconds
 
 
