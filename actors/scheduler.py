@@ -603,7 +603,10 @@ class Scheduler:
         prefill partly: a step that completes prompts carries no chunk of a longer one, which would hold
         back their first tokens for a chunk that yields none; and an overdue prompt, first, takes at
         most half the budget where others wait, so the prompts that arrived since still ride in the
-        step rather than wait for its whole prefill. `only`: that request's next chunk alone
+        step rather than wait for its whole prefill (and the ones already prefilling go on partly). A
+        chunk that completes its prompt leaves the slots of the request's first decode step
+        (`per_step_slots`) free, also of the prompts after it in the step: else that step's planning
+        preempts it before it decodes. `only`: that request's next chunk alone
         (isolating a failure). None when nothing fits. On any error the step's slots are freed and its
         admissions undone (nothing leaks)."""
         budget = self.config.max_num_batched_tokens if budget is None else budget
@@ -616,6 +619,10 @@ class Scheduler:
         # the order passes it (a preempted request, first in the order, would otherwise be passed by the
         # requests that then fill the pool again, and preempted in turn); partly prefilled ones go on.
         admitting = True
+        # Beside an overdue first prompt (at most `share` of the budget) the prompts already prefilling go on
+        # partly too: else a preempted one, first again, kept an older prompt from prefilling while it filled
+        # the pool itself, was preempted (the newest) when neither could finish, and so on forever.
+        overdue_first = False
         try:
             for request in order:
                 if budget == 0:
@@ -630,19 +637,27 @@ class Scheduler:
                     self.prefilling.append(request)
                     admitted.append(request)
                 remaining = request.kv_len - len(request.slots)
-                n = min(remaining, budget, self.num_free_slots - reserve)
+                room = self.num_free_slots - reserve
+                n = min(remaining, budget, room)
+                if only is None and n == remaining and room - n < self.per_step_slots:
+                    # Done, it would run with no room for its first decode step, whose planning preempts the
+                    # newest request: it, recomputed for nothing; re-admitted onto its cached prefix in that
+                    # step's chunks (overdue), it was again and again (CI hung so on the real model).
+                    n = remaining - 1
                 pool_short = n < 1 or (fresh and n < min(remaining, budget))
-                if pool_short or (shortest and requests and n < remaining):
+                if pool_short or (shortest and requests and n < remaining and (fresh or not overdue_first)):
                     if fresh:
                         self._unadmit([admitted.pop()])
                         admitting = admitting and not pool_short
                     continue
                 if shortest and not requests and self._overdue(request):
-                    n = min(n, share)
+                    n, overdue_first = min(n, share), True
                 slots.append(self._alloc(n).tolist())
                 requests.append(request)
                 lens.append(n)
                 budget -= n
+                if n == remaining:  # it decodes next step: keep that step's slots from the prompts after it
+                    reserve += self.per_step_slots
                 if request.queue_wait_s is None:  # its first chunk: admitted and skipped ones are still waiting
                     request.queue_wait_s = time.monotonic() - request.arrival
                     self.stats.queue_wait_s += request.queue_wait_s

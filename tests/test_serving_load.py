@@ -106,6 +106,55 @@ def test_chunked_prefill_and_preemption_are_lossless(request, algorithm, draft, 
     _assert_kv_back(engine.scheduler)
 
 
+def _random_arrivals(seed: int) -> dict[int, list[tuple[list[int], SamplingParams]]]:
+    """3 to 5 greedy requests arriving over the first 8 steps: prompts of 2 to 60 tokens, 2 to 30 new ones."""
+    rng = random.Random(seed)
+    arrivals: dict[int, list] = {}
+    for _ in range(rng.randint(3, 5)):
+        step, prompt = rng.randint(0, 8), [rng.randrange(1, 64) for _ in range(rng.randint(2, 60))]
+        params = SamplingParams(max_tokens=rng.randint(2, 30), temperature=0.0, ignore_eos=True)
+        arrivals.setdefault(step, []).append((prompt, params))
+    return arrivals
+
+
+# Workloads (`_random_arrivals` seeds) on which requests cycled between preemption and re-admission (the
+# first two), or were preempted right after their prompts completed (the third).
+@pytest.mark.parametrize("algorithm,n,kv_slots,prefix_cache,seed", [
+    ("NONE", 1, 91, False, 52),
+    ("NGRAM", 8, 102, True, 105),
+    ("NGRAM", 4, 70, True, 29),
+])
+def test_preempted_requests_resume_without_cycling(request, algorithm, n, kv_slots, prefix_cache, seed):
+    """Requests arriving over a few steps into a pool that holds two or three of them all end, with the
+    tokens an unconstrained run gives them, and a prompt that completes is never preempted before it
+    decodes. A preempted request is overdue and prefills first; while only a step's first prompt could
+    prefill partly it kept an older, partly prefilled prompt from prefilling, neither could finish, and
+    it was preempted (the newest) and first again, forever; and one re-admitted onto its cached prefix
+    completed with no room left for its first decode step, whose planning preempted it (CI hung so on the
+    real model)."""
+    spec = (algorithm, None, 1, n, 3)
+    arrivals = _random_arrivals(seed)
+    engine = _engine(request, *spec, kv_slots=kv_slots, max_num_batched_tokens=16, prefix_cache=prefix_cache)
+    completed: dict[int, tuple] = {}  # prompts completed and not yet decoded: their request, preemptions then
+
+    def watch(sched, plan):
+        decoding = plan.parts[0].requests if plan.kind == "mixed" else plan.requests if plan.kind == "decode" else []
+        for request in decoding:
+            completed.pop(request.rid, None)
+        for request, preemptions in completed.values():
+            assert request.num_preemptions == preemptions, f"request {request.rid} preempted before decoding"
+        prefill = plan.parts[1] if plan.kind == "mixed" else plan if plan.kind == "prefill" else None
+        if prefill is not None:  # (its chunks join the requests' slots when it commits, after this)
+            chunks = zip(prefill.requests, prefill.meta.prefill_lens.tolist())
+            completed.update({r.rid: (r, r.num_preemptions) for r, n in chunks if len(r.slots) + n == r.kv_len})
+
+    outs = _staggered(engine, arrivals, watch, max_steps=400)
+    reference = _staggered(_engine(request, *spec, **UNCONSTRAINED), arrivals)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    assert engine.scheduler.stats.preemptions > 0
+    _assert_kv_back(engine.scheduler)
+
+
 @pytest.mark.parametrize("algorithm,draft,topk,n,steps", ALGORITHMS)
 def test_prefix_cache_hits_are_lossless(request, algorithm, draft, topk, n, steps):
     """Second turns (first prompt + its answer + more) and prompts sharing a long prefix reuse
@@ -201,10 +250,11 @@ def test_short_prompt_rides_in_a_plain_decode_step(request, spec, caps):
     _assert_kv_back(engine.scheduler)
 
 
-def _staggered(engine, arrivals, watch=None, first=None):
-    """Requests submitted at given steps ({step: [(prompt, params)]}), stepped to the end;
-    `watch(scheduler, plan)` sees every committed plan; `first`, where given, gets each request's
-    step of its first token, in submission order. Returns the outputs in submission order."""
+def _staggered(engine, arrivals, watch=None, first=None, max_steps: int = 2000):
+    """Requests submitted at given steps ({step: [(prompt, params)]}), stepped to the end (failing
+    after `max_steps`, rather than hanging); `watch(scheduler, plan)` sees every committed plan;
+    `first`, where given, gets each request's step of its first token, in submission order. Returns
+    the outputs in submission order."""
     sched, reqs, firsts, step = engine.scheduler, [], {}, 0
     commit = sched.commit
 
@@ -219,6 +269,7 @@ def _staggered(engine, arrivals, watch=None, first=None):
         sched.step()
         firsts.update({r.rid: step for r in reqs if r.output_ids and r.rid not in firsts})
         step += 1
+        assert step < max_steps, f"still unfinished after {step} steps: {sched.stats}"
     if first is not None:
         first.extend(firsts[r.rid] for r in reqs)
     return [r.output() for r in reqs]
