@@ -454,7 +454,6 @@ class TreeSizePolicy:
         self.buckets = size_buckets(tree_size)
         self.costs = StepCostModel()
         self.explore_every = explore_every
-        self.uncertainty_scale = UNCERTAINTY  # of costs; larger measures rivals more (tests switch sizes so)
         self.forced: int | None = None
         self.measured: dict[tuple[int, int, int], float] = {}  # (nodes, *regime) -> decayed steps timed
         # Per request: tokens committed by plain steps since its draft last extended (its catch-up).
@@ -593,7 +592,7 @@ class TreeSizePolicy:
         `more` further steps of it: its cost here (shrinking with the steps measured at this load) and
         its acceptance (shrinking with the request-steps drafted at this size; none for a plain step)."""
         measured = self.measured.get((nodes, *self._regime(batch, context_tokens)), 0.0) + more
-        cost = self.uncertainty_scale / math.sqrt(1.0 + measured)
+        cost = UNCERTAINTY / math.sqrt(1.0 + measured)
         gained = max(tokens - batch, 0.0) / max(tokens, 1e-9)  # the drafts' share of its tokens
         acceptance = ACCEPTANCE_UNCERTAINTY * gained / math.sqrt(1.0 + self.evidence.get(nodes, 0) + more * batch)
         return math.hypot(cost, acceptance)

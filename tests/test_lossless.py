@@ -3,6 +3,7 @@ chain and tree, while requests join, leave and finish together; KV slots never l
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -69,18 +70,20 @@ def reference(tiny_target):
 def test_greedy_equals_plain_decoding(request, tiny_target, reference, algorithm, draft, topk, n, steps):
     draft_path = request.getfixturevalue(draft) if draft else None
     engine = _engine(tiny_target, algorithm, draft_path, topk, n, steps)
-    # Switch sizes often, whatever the timings say is best.
-    engine.scheduler.policy.explore_every, engine.scheduler.policy.uncertainty_scale = 3, 100.0
+    # Every size in turn, plain steps included, whatever the timings say is best: the adaptive policy's
+    # own choices follow the host's timing (a stall while the start-up probe times the trees made them
+    # look too dear to try again, and the steps stayed plain), and are tested on simulated timings
+    # (test_cost_model.py).
+    policy = engine.scheduler.policy
+    sizes = itertools.cycle(policy.buckets)
+    policy.choose = lambda rids, context_tokens, tokens_left=None: policy._chosen(next(sizes)) if rids else 1
     free_before = engine.scheduler.num_free_slots
     outs = _run_all(engine)
     assert [o.token_ids for o in outs] == reference
     assert [o.num_output_tokens for o in outs] == MAX_TOKENS
     assert all(o.finish_reason == "length" for o in outs)
     assert engine.scheduler.num_free_slots == free_before
-    # Adaptive speculation (the default) measured plain steps and trees, and went from one to the
-    # other: drafts deferred over plain steps were caught up before the next tree.
-    sizes = engine.scheduler.policy.stats.steps_by_size
-    assert 1 in sizes and max(sizes) > 1
+    # Drafts deferred over plain steps were caught up before the next tree.
     assert any(0 in o.draft_depths[:-1] and max(o.draft_depths[o.draft_depths.index(0):]) > 0 for o in outs)
     assert not engine.scheduler.prefilling
 
