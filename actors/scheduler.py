@@ -640,9 +640,9 @@ class Scheduler:
                 room = self.num_free_slots - reserve
                 n = min(remaining, budget, room)
                 if only is None and n == remaining and room - n < self.per_step_slots:
-                    # Done, it would run with no room for its first decode step, whose planning preempts the
-                    # newest request: it, recomputed for nothing; re-admitted onto its cached prefix in that
-                    # step's chunks (overdue), it was again and again (CI hung so on the real model).
+                    # Completed now, it would have no room for its first decode step, whose planning would
+                    # preempt it (the newest) before it decoded; re-admitted onto its cached prefix in that same
+                    # step's chunks (overdue), it did so again and again (CI hung so on the real model).
                     n = remaining - 1
                 pool_short = n < 1 or (fresh and n < min(remaining, budget))
                 if pool_short or (shortest and requests and n < remaining and (fresh or not overdue_first)):
