@@ -4,6 +4,7 @@ their memory (the channel buffer they came from is reused by the next step)."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 from dataclasses import fields
 
@@ -94,3 +95,21 @@ def test_received_tensors_own_writable_memory():
     assert_same(sent, again)  # neither the sender's tensors nor another read changed
     assert torch.equal(got.seq_lens, sent.seq_lens + 100)
     assert torch.equal(got.history, sent.history)  # neighbours in the buffer untouched
+
+
+def test_every_dtype_and_shape_arrives_as_sent():
+    """Fields of every packed dtype, odd lengths (a run of one dtype must leave the next aligned), 0-d
+    and empty tensors, and a dtype that is not packed (sent by Ray's pickler) in one batch."""
+    g = torch.Generator().manual_seed(1)
+    sent = copy.copy(batches()[0])
+    values = [torch.randint(-9, 9, (3, 5), generator=g, dtype=dtype) for dtype in (torch.int16, torch.int8)]
+    values.append(torch.randint(0, 200, (3, 5), generator=g, dtype=torch.uint8))
+    values += [torch.randn((3, 7), generator=g, dtype=dtype) for dtype in (torch.float64, torch.float16, torch.bfloat16)]
+    values += [torch.tensor(7, dtype=torch.int32), torch.rand(3, generator=g) > 0.5, torch.zeros((0, 3)),
+               torch.randn(3, generator=g, dtype=torch.complex64)]
+    names = [f.name for f in fields(sent) if f.name not in ("seq_lens", "kv_slots")]
+    for name, value in zip(names, values):
+        setattr(sent, name, value)
+    got = through_ray(sent)
+    assert_same(sent, got)
+    assert torch.equal(got.seq_lens, sent.seq_lens) and torch.equal(got.kv_slots, sent.kv_slots)
