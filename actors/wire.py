@@ -6,10 +6,10 @@ its arguments per tensor): a BatchMeta of 28 tensors took 1-2.5 ms to serialize 
 deserialize, four times per step (scheduler -> actor -> scheduler), which was most of the
 actor graph's coordination. Here a batch travels as (its class's field layout, one bytes
 blob): one copy in, one copy out, and the tensors read back own their memory (the channel's
-shared buffer is reused by the next step, so nothing may point into it). The tensors of one
-dtype are flattened and split back by one call each: a step's four batches (~45 tensors) pack
-and unpack in 0.27 ms against 0.54 ms with a few torch calls per tensor (docs/benchmarks.md,
-session 31).
+shared buffer is reused by the next step, so nothing may point into it). The tensors are
+joined by one numpy call and split back by one torch call per dtype: a step's four batches (~45
+tensors) pack and unpack in about half the time of a few torch calls per tensor
+(docs/benchmarks.md, session 31).
 
 `register()` installs this for the classes in WIRE_TYPES in the calling process; the
 receiving process needs nothing (the deserializer travels by reference). Tensors on other
@@ -22,9 +22,9 @@ import math
 from dataclasses import fields
 from functools import partial
 
+import numpy as np
 import ray
 import torch
-from torch._utils import _flatten_dense_tensors
 
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
@@ -34,6 +34,7 @@ WIRE_TYPES = (BatchMeta, DraftInput, VerifyInput, DraftExtendInput)
 PACKED_DTYPES = (torch.float64, torch.int64, torch.float32, torch.int32, torch.bfloat16, torch.float16,
                  torch.int16, torch.uint8, torch.int8, torch.bool)
 _CODES = {dtype: code for code, dtype in enumerate(PACKED_DTYPES)}
+_NUMPY_VIEW = {_CODES[torch.bfloat16]: torch.int16}
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
@@ -47,10 +48,12 @@ def _field_names(cls) -> tuple[str, ...]:
 def pack(batch) -> tuple[tuple, bytes]:
     """((specs, others), blob). Per field, `specs` holds (dtype code, *shape) of a packed tensor or
     None for a value sent as it is (None, a plain value, a tensor not on the CPU, a dtype not in
-    PACKED_DTYPES), in `others`. The tensors of one dtype are flattened by one call and laid end to
-    end, so a batch costs a few torch calls, not several per tensor (each costs several times its
-    warm price in a process whose caches the forward just swept), and the layout is ints and tuples,
-    which the pickler writes without a Python callback (a torch.dtype takes one)."""
+    PACKED_DTYPES), in `others`. The tensors, grouped by dtype, are copied into the blob by one numpy
+    call, so a batch costs a few Python calls per tensor and no torch op (each costs several times its
+    warm price in a process whose caches the forward just swept, and a torch op over more than 32k
+    elements starts an OpenMP team on Ray's thread, a second team in the actor that makes libgomp stop
+    spinning in every region of the forward); the layout is ints and tuples, which the pickler writes
+    without a Python callback (a torch.dtype takes one)."""
     specs, others, groups = [], [], {}
     for name in _field_names(type(batch)):
         value = getattr(batch, name)
@@ -65,9 +68,13 @@ def pack(batch) -> tuple[tuple, bytes]:
             groups[code] = [value]
         else:
             group.append(value)
-    runs = [_flatten_dense_tensors(groups[code]).view(torch.uint8) for code in sorted(groups)]  # (nbytes,) each
-    blob = (runs[0] if len(runs) == 1 else torch.cat(runs)).detach().numpy().tobytes() if runs else b""
-    return (tuple(specs), tuple(others)), blob
+    arrays = []  # (nbytes,) uint8 views, dtype groups in code order
+    for code in sorted(groups):
+        reinterpret = _NUMPY_VIEW.get(code)  # numpy has no bfloat16: its bits travel as int16
+        for value in groups[code]:
+            array = (value.view(reinterpret) if reinterpret is not None else value).detach().numpy()
+            arrays.append(array.reshape(-1).view(np.uint8))  # reshape copies a strided tensor
+    return (tuple(specs), tuple(others)), np.concatenate(arrays).tobytes() if arrays else b""
 
 
 def unpack(cls, packed: tuple[tuple, bytes]):

@@ -5,8 +5,9 @@ actor and in its own actor.
     python -m bench.graph [--plot] [--quick] [--levers-only]
 
 Per config, the local engine and every Ray placement are built side by side and measured in
-turns (level by level, round by round), so a busy machine slows them alike; the figure to read is
-the same-run ratio Ray / local. Same cores: the local engine runs `--cores` torch threads; a Ray
+turns (level by level, round by round, the order reversed every other round), so a busy machine
+slows them alike; the figure to read is the same-run ratio Ray / local, taken per round and then
+the median over rounds (`ratio_runs` in the JSON holds each round's). Same cores: the local engine runs `--cores` torch threads; a Ray
 rank gets `--cores` CPUs in all (a draft model 1 of them, in its own actor or, colocated, added to
 the target's threads).
 
@@ -228,9 +229,12 @@ def measure_config(name: str, args) -> dict:
             for key, probe in probes.items():
                 profile[key][str(batch)] = probe.run(batch, args.max_tokens)
         runs = {key: {str(c): [] for c in args.levels} for key in engines}
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for c in args.levels:
-                for key, engine in engines.items():  # interleaved: a busy spell hits every variant
+                # Interleaved, so a busy spell hits every variant, and in the reverse order every other
+                # round, so neither engine is always the one that runs right after the other.
+                order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
+                for key, engine in order:
                     runs[key][str(c)].append(throughput(engine, c, args.max_tokens))
     finally:
         for engine in engines.values():
@@ -239,9 +243,15 @@ def measure_config(name: str, args) -> dict:
                       "runs": [r["tokens_per_s"] for r in rs],
                       "acceptance_length": statistics.mean(r["acceptance_length"] for r in rs)}
                   for c, rs in per.items()} for key, per in runs.items()}
-    ratio = {key: {c: tput[key][c]["tokens_per_s"] / tput["local"][c]["tokens_per_s"] for c in tput["local"]}
-             for key in tput if key != "local"}
-    return {"throughput": tput, "ratio_vs_local": ratio, "profile": profile}
+    # Ray / local per round, the two run back to back, then the median over rounds: the host's speed
+    # drifts by tens of percent within minutes on a shared VM (docs/benchmarks.md, session 31), and a
+    # ratio of each engine's median over rounds would compare one engine's fast round with the
+    # other's slow one.
+    paired = {key: {c: [ray_run["tokens_per_s"] / local_run["tokens_per_s"]
+                        for ray_run, local_run in zip(runs[key][c], runs["local"][c])] for c in runs["local"]}
+              for key in runs if key != "local"}
+    ratio = {key: {c: statistics.median(rs) for c, rs in per.items()} for key, per in paired.items()}
+    return {"throughput": tput, "ratio_vs_local": ratio, "ratio_runs": paired, "profile": profile}
 
 
 def wait_levers(args) -> dict:
@@ -327,7 +337,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "the CPU has native bf16)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", default="1,4,16,64")
-    parser.add_argument("--rounds", type=int, default=2, help="throughput runs per level and variant (median)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="throughput runs per level and variant (the ratio: median of per-round ratios)")
     parser.add_argument("--profile-batches", default="1,16")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores each engine gets")
     parser.add_argument("--omp-wait-policies", default="default",

@@ -5,7 +5,9 @@ their memory (the channel buffer they came from is reused by the next step)."""
 from __future__ import annotations
 
 import copy
+import os
 import pickle
+import threading
 from dataclasses import fields
 
 import pytest
@@ -113,3 +115,28 @@ def test_every_dtype_and_shape_arrives_as_sent():
     got = through_ray(sent)
     assert_same(sent, got)
     assert torch.equal(got.seq_lens, sent.seq_lens) and torch.equal(got.kv_slots, sent.kv_slots)
+
+
+def test_packing_a_large_batch_starts_no_thread_team():
+    """Ray packs and unpacks on its own thread in the actor: a torch op there over more than 32k elements
+    would start a second OpenMP team beside the compute thread's, and with more OpenMP threads than CPUs
+    libgomp stops spinning between regions, which slows every region of the forward."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one torch thread: no team to start")
+    g = torch.Generator().manual_seed(2)
+    large = [DraftInput(verified_id=torch.arange(64), hidden_states=torch.randn((64, 1024), generator=g).to(dtype),
+                        topk_p=torch.rand((64, 4), generator=g), topk_index=torch.zeros((64, 4), dtype=torch.long))
+             for dtype in (torch.float32, torch.bfloat16)]
+    seen = {}
+
+    def on_a_fresh_thread():
+        before = len(os.listdir("/proc/self/task"))
+        seen["got"] = [through_ray(batch) for batch in large]
+        seen["added"] = len(os.listdir("/proc/self/task")) - before
+
+    thread = threading.Thread(target=on_a_fresh_thread)
+    thread.start()
+    thread.join()
+    assert seen["added"] == 0
+    for sent, got in zip(large, seen["got"]):
+        assert_same(sent, got)
