@@ -7,9 +7,9 @@ actor and in its own actor.
 Per config, the local engine and every Ray placement are built side by side and measured in
 turns (level by level, round by round, the order reversed every other round), so a busy machine
 slows them alike; the figure to read is the same-run ratio Ray / local, taken per round and then
-the median over rounds (`ratio_runs` in the JSON holds each round's). Same cores: the local engine runs `--cores` torch threads; a Ray
-rank gets `--cores` CPUs in all (a draft model 1 of them, in its own actor or, colocated, added to
-the target's threads).
+the median over rounds (`ratio_runs` in the JSON holds each round's). Same cores: the local engine
+runs `--cores` torch threads; a Ray rank gets `--cores` CPUs in all (a draft model 1 of them, in
+its own actor or, colocated, added to the target's threads).
 
 Per-step profile at `--profile-batches`: where one step's wall time goes (scheduler plan, the
 executor call, each actor's compute measured inside it, commit), and CPU seconds per process
