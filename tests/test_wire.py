@@ -120,9 +120,8 @@ def test_every_dtype_and_shape_arrives_as_sent():
 def test_packing_a_large_batch_starts_no_thread_team():
     """Ray packs and unpacks on its own thread in the actor: a torch op there over more than 32k elements
     would start a second OpenMP team beside the compute thread's, and with more OpenMP threads than CPUs
-    libgomp stops spinning between regions, which slows every region of the forward."""
-    if torch.get_num_threads() < 2:
-        pytest.skip("one torch thread: no team to start")
+    libgomp stops spinning between regions, which slows every region of the forward. Two torch threads, as
+    an actor on two CPUs has (other tests leave the process at one, and a new thread takes the process's)."""
     g = torch.Generator().manual_seed(2)
     large = [DraftInput(verified_id=torch.arange(64), hidden_states=torch.randn((64, 1024), generator=g).to(dtype),
                         topk_p=torch.rand((64, 4), generator=g), topk_index=torch.zeros((64, 4), dtype=torch.long))
@@ -134,9 +133,14 @@ def test_packing_a_large_batch_starts_no_thread_team():
         seen["got"] = [through_ray(batch) for batch in large]
         seen["added"] = len(os.listdir("/proc/self/task")) - before
 
-    thread = threading.Thread(target=on_a_fresh_thread)
-    thread.start()
-    thread.join()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        thread = threading.Thread(target=on_a_fresh_thread)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
     assert seen["added"] == 0
     for sent, got in zip(large, seen["got"]):
         assert_same(sent, got)
