@@ -3,7 +3,8 @@
 Each wrapper times its own compute, so benchmarks can separate Ray overhead (step wall
 time minus compute) from model time, and sends its step batches packed (actors.wire). Actors in a compiled graph still answer ordinary
 `.remote()` calls such as `stats()`. Runners are built and called on the actor's one compute
-thread (actors.compute_thread), whichever thread Ray calls from.
+thread (actors.compute_thread), whichever thread Ray calls from. The actor that takes the
+scheduler's step inputs reads them as deltas over what it holds (actors.step_stream).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import ray
 from actors import channel_wait, wire
 from actors.compute_thread import ComputeThread
 from actors.step import run_step
+from actors.step_stream import StreamReceiver
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput
 
 
@@ -79,14 +81,17 @@ class DraftActor(_Timed):
     def __init__(self, build, *args, **kwargs):
         self._start()
         self.drafter = self._compute.run(lambda: build(*args, **kwargs))
+        self.inputs = StreamReceiver()
 
-    def propose(self, step: tuple[BatchMeta, DraftInput]) -> tuple[BatchMeta, VerifyInput]:
-        meta, draft_input = step
+    def propose(self, step) -> tuple[BatchMeta, VerifyInput]:
+        """`step`: (BatchMeta, DraftInput), or a message of the scheduler's StreamSender."""
+        meta, draft_input = self.inputs.decode(step)
         return meta, self._timed(self.drafter.propose, meta, draft_input)
 
     def extend(self, meta_and_verify: tuple[BatchMeta, VerifyInput], ext: DraftExtendInput):
         meta, _ = meta_and_verify
         draft_input = self._timed(self.drafter.extend, meta, ext)
+        self.inputs.returned(draft_input)
         return ext.without_hidden_states(), draft_input  # after the extend, which sets the step's catch-up on ext
 
 
@@ -102,7 +107,10 @@ class TargetDraftActor(_Timed):
         self._start()
         self.runner = self._compute.run(lambda: TargetRunner(**target_kwargs))
         self.drafter = self._compute.run(lambda: build(*args, **kwargs))
+        self.inputs = StreamReceiver()
 
-    def step(self, step: tuple[BatchMeta, DraftInput]) -> tuple[DraftExtendInput, DraftInput]:
-        ext, draft_input = self._timed(run_step, self.runner, self.drafter, *step)
+    def step(self, step) -> tuple[DraftExtendInput, DraftInput]:
+        """`step`: (BatchMeta, DraftInput), or a message of the scheduler's StreamSender."""
+        ext, draft_input = self._timed(run_step, self.runner, self.drafter, *self.inputs.decode(step))
+        self.inputs.returned(draft_input)
         return ext.without_hidden_states(), draft_input

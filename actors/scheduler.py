@@ -117,6 +117,10 @@ class Scheduler:
         self._inflight: StepPlan | None = None  # planned, not yet committed
         self._failed: list[Request] = []  # failed outside a step's own requests, not yet reported
         self._after_short_prefill = False  # the last step was a short prefill ahead of the running batch
+        # The same tensor objects step after step wherever the values are the same: the Ray hop then
+        # sends a reference to what the actor already holds (actors.step_stream). Never written in place.
+        self._request_fields: tuple[tuple[Request, ...], dict[str, torch.Tensor]] = ((), {})
+        self._constants: dict[tuple, torch.Tensor] = {}
         self._next_rid = 0
         self._admissions = itertools.count()
         self._rng = random.SystemRandom()
@@ -538,26 +542,51 @@ class Scheduler:
 
     # ---- planning -------------------------------------------------------------------
 
-    def _sampling_fields(self, requests: list[Request]) -> dict[str, torch.Tensor]:
-        """Every per-request sampling input of BatchMeta but the history (see spec.batch)."""
+    def _sampling_fields(self, requests: list[Request], decode: bool = False) -> dict[str, torch.Tensor]:
+        """Every per-request sampling input of BatchMeta but the history (see spec.batch): the two that
+        move with a request's output every step, and those fixed for its life, which a decode step
+        (`decode`) builds once for its requests and reuses while they stay the running batch."""
+        key, fixed = self._request_fields
+        if not decode:
+            fixed = self._fixed_fields(requests)
+        elif len(key) != len(requests) or any(a is not b for a, b in zip(key, requests)):
+            fixed = self._fixed_fields(requests)
+            self._request_fields = (tuple(requests), fixed)
+        # Stop ids only matter while min_tokens holds them back (then the processors stay off).
+        stops = [r.stop_ids if len(r.output_ids) < r.params.min_tokens else [] for r in requests]
+        return dict(fixed, num_output=torch.tensor([len(r.output_ids) for r in requests], dtype=torch.long),
+                    stop_ids=self._padded(stops, -1) if any(stops) else self._constant("no_ids", len(requests)))
+
+    def _fixed_fields(self, requests: list[Request]) -> dict[str, torch.Tensor]:
+        """The sampling inputs fixed for a request's life, (B,) or (B, K) each."""
         floats = lambda name: torch.tensor([float(getattr(r.params, name)) for r in requests])  # noqa: E731
         longs = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
         return dict(
             temperature=floats("temperature"), top_p=floats("top_p"), min_p=floats("min_p"),
             top_k=longs([int(r.params.top_k) for r in requests]), seeds=longs([r.seed for r in requests]),
             prompt_lens=longs([len(r.prompt_ids) for r in requests]),
-            num_output=longs([len(r.output_ids) for r in requests]),
             min_tokens=longs([r.params.min_tokens for r in requests]),
             repetition_penalty=floats("repetition_penalty"), presence_penalty=floats("presence_penalty"),
             frequency_penalty=floats("frequency_penalty"),
-            # Stop ids only matter while min_tokens holds them back (then the processors stay off).
-            stop_ids=self._padded([r.stop_ids if len(r.output_ids) < r.params.min_tokens else [] for r in requests],
-                                  -1),
             bias_ids=self._padded([list(r.params.logit_bias) for r in requests], -1),
             bias_values=self._padded([list(r.params.logit_bias.values()) for r in requests], 0,
                                      torch.float32),
             num_logprobs=longs([-1 if r.params.logprobs is None else r.params.logprobs for r in requests]),
         )
+
+    _CONSTANT_COLUMNS = {
+        "zeros": lambda b: torch.zeros(b, dtype=torch.long),  # (B,)
+        "no_next": lambda b: torch.full((b,), -1, dtype=torch.long),  # (B,): no known next token
+        "no_ids": lambda b: torch.zeros((b, 0), dtype=torch.long),  # (B, 0)
+        "no_defer": lambda b: torch.zeros(b, dtype=torch.bool),  # (B,)
+    }
+
+    def _constant(self, name: str, batch: int) -> torch.Tensor:
+        """A decode step's column that is the same for every batch of `batch` requests, built once."""
+        value = self._constants.get((name, batch))
+        if value is None:
+            value = self._constants[(name, batch)] = self._CONSTANT_COLUMNS[name](batch)
+        return value
 
     @staticmethod
     def _padded(rows: list[list], pad, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -572,7 +601,7 @@ class Scheduler:
         drafts; a plain step's drafter reads nothing) or a penalty reads it; else (B, 0)."""
         if (drafts and self.config.needs_history) or any(r.params.uses_history for r in requests):
             return self._padded([r.prompt_ids + r.output_ids for r in requests], -1)
-        return torch.zeros((len(requests), 0), dtype=torch.long)
+        return self._constant("no_ids", len(requests))
 
     def _prefill_meta(self, requests: list[Request], starts: list[int], lens: list[int], slots: list[list[int]]
                       ) -> BatchMeta:
@@ -717,11 +746,10 @@ class Scheduler:
         fields = dict(
             seq_lens=torch.tensor([r.seq_len for r in requests], dtype=torch.long),
             kv_slots=self._padded([r.slots for r in requests], 0),
-            prefill_lens=torch.zeros(batch, dtype=torch.long),
-            prefill_tokens=torch.zeros((batch, 0), dtype=torch.long),
-            prefill_slots=torch.zeros((batch, 0), dtype=torch.long),
-            next_token=torch.full((batch,), -1, dtype=torch.long),
-            history=self._history(requests, drafts=n > 1), **self._sampling_fields(requests),
+            prefill_lens=self._constant("zeros", batch), prefill_tokens=self._constant("no_ids", batch),
+            prefill_slots=self._constant("no_ids", batch), next_token=self._constant("no_next", batch),
+            defer_draft=self._constant("no_defer", batch),
+            history=self._history(requests, drafts=n > 1), **self._sampling_fields(requests, decode=True),
         )
         scratch = self._alloc(batch * s).view(batch, s)
         try:

@@ -5,7 +5,8 @@
 Per rank: draft.propose -> target.forward_step -> draft.extend, or one call of the target
 actor that hosts its drafter (draft placement "colocated": `draft` is None). The compiled executor
 builds this once as a Ray compiled graph (ray.dag + experimental_compile) and runs every
-node of every rank each step; ranks without work pass idle inputs from spec/.
+node of every rank each step; ranks without work pass idle inputs from spec/. Its step inputs
+travel as deltas over what each rank's first actor already holds (actors.step_stream).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayTaskError
 
 from actors.draft_runner import NoDrafter
+from actors.step_stream import StreamSender
 from spec.batch import placeholder_draft_input
 
 
@@ -41,18 +43,30 @@ class CompiledStepExecutor:
         # Ray's default 10 s limits would turn a long prefill on a busy CPU into a "failure".
         self.compiled = dag.experimental_compile(_submit_timeout=step_timeout_s)
         self.step_timeout_s = step_timeout_s
+        # Per rank, what its first actor already holds of the step inputs (sent as deltas over it).
+        self.senders = [StreamSender() for _ in ranks]
 
     def execute_all(self, steps: list) -> list:
-        # Every rank's result is read, even after one raised, so the graph holds no stale output.
-        results, error = [], None
-        for ref in self.compiled.execute(*steps):
-            try:
-                results.append(ref.get(timeout=self.step_timeout_s))
-            except RayTaskError as exc:  # a runner raised: the graph itself is fine
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
+        try:
+            results, error = [], None
+            refs = self.compiled.execute(*[s.encode(*step) for s, step in zip(self.senders, steps)])
+            # Every rank's result is read, even after one raised, so the graph holds no stale output.
+            for sender, ref in zip(self.senders, refs):
+                try:
+                    result = ref.get(timeout=self.step_timeout_s)
+                except RayTaskError as exc:  # a runner raised: the graph itself is fine
+                    error = error or exc
+                    continue
+                sender.returned(result[1])
+                results.append(result)
+            if error is not None:
+                raise error
+            return results
+        except BaseException:
+            # Which inputs the actors took is unknown: the next step's are sent whole, on new streams.
+            for sender in self.senders:
+                sender.reset()
+            raise
 
     def teardown(self) -> None:
         self.compiled.teardown()
