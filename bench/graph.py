@@ -17,8 +17,8 @@ per step, which shows a process that spins while it waits, and minor page faults
 the allocator maps afresh each step). Coordination = executor wall time
 minus the actors' compute (in the local engine the executor is the compute).
 
-Levers (skipped by --quick), same engine in turns: step batches packed vs Ray's pickler, and
-spinning vs sleeping channel reads.
+Levers (skipped by --quick), same engine in turns: step inputs as deltas vs packed whole vs Ray's
+pickler, and spinning vs sleeping channel reads.
 """
 
 from __future__ import annotations
@@ -281,23 +281,27 @@ def wait_levers(args) -> dict:
     return out
 
 
-def _set_transport(actor_self, packed: bool) -> None:
+def _set_transport(actor_self, packed: bool, deltas: bool) -> None:
     """Runs in each process of a Ray engine: step batches packed (actors.wire) or through Ray's
-    own pickler."""
+    own pickler; the scheduler's step inputs as deltas over what the actors hold
+    (actors.step_stream) or whole."""
     from actors import wire
 
     for cls in wire.WIRE_TYPES:
         ray.util.deregister_serializer(cls)
     if packed:
         wire.register()
+    runtime = getattr(actor_self, "runtime", None)  # the scheduler actor's GraphRuntime
+    for sender in getattr(runtime.executor, "senders", []) if runtime is not None else []:
+        sender.holding = deltas
 
 
-TRANSPORTS = {"packed": True, "pickled": False}
+TRANSPORTS = {"deltas": (True, True), "packed": (True, False), "pickled": (False, False)}
 
 
 def transport_levers(args) -> dict:
-    """Same engine, same run, in turns: step batches packed vs Ray's pickler (actors.wire).
-    eagle3-tree and none, each placement."""
+    """Same engine, same run, in turns: step inputs as deltas (actors.step_stream), step batches
+    packed whole (actors.wire), and Ray's pickler. eagle3-tree and none, each placement."""
     out = {}
     for name in ("eagle3-tree", "none"):
         for placement in args.placements:
@@ -308,8 +312,8 @@ def transport_levers(args) -> dict:
                 processes = [engine.scheduler, *probe.actors]
                 runs: dict = {}
                 for _ in range(args.rounds):
-                    for mode, packed in TRANSPORTS.items():
-                        ray.get([p.__ray_call__.remote(_set_transport, packed) for p in processes])
+                    for mode, (packed, deltas) in TRANSPORTS.items():
+                        ray.get([p.__ray_call__.remote(_set_transport, packed, deltas) for p in processes])
                         for b in args.profile_batches:
                             runs.setdefault(mode, {}).setdefault(str(b), []).append(probe.run(b, args.max_tokens))
                 key = f"{name}/ray/{placement}"
