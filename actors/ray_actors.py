@@ -92,7 +92,7 @@ class DraftActor(_Timed):
         meta, _ = meta_and_verify
         draft_input = self._timed(self.drafter.extend, meta, ext)
         self.inputs.returned(draft_input)
-        return ext.without_hidden_states(), draft_input  # after the extend, which sets the step's catch-up on ext
+        return ext.for_scheduler(), draft_input  # after the extend, which sets the step's catch-up on ext
 
 
 @ray.remote
@@ -113,4 +113,4 @@ class TargetDraftActor(_Timed):
         """`step`: (BatchMeta, DraftInput), or a message of the scheduler's StreamSender."""
         ext, draft_input = self._timed(run_step, self.runner, self.drafter, *self.inputs.decode(step))
         self.inputs.returned(draft_input)
-        return ext.without_hidden_states(), draft_input
+        return ext.for_scheduler(), draft_input

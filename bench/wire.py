@@ -52,7 +52,7 @@ def last_step(engine, batch: int) -> tuple:
     finally:
         executor.execute = run
     step_input, (ext, draft_input) = seen[-1]
-    return step_input, (ext.without_hidden_states(), draft_input)
+    return step_input, (ext.for_scheduler(), draft_input)
 
 
 def cost(obj, repeats: int) -> dict:

@@ -158,7 +158,8 @@ class DraftExtendInput:
     """Tokens the target just committed to its KV cache, for the draft to catch up on.
 
     Ragged: request i owns rows offsets[i] : offsets[i] + extend_lens[i] of the token fields.
-    tokens:        (T,)      committed tokens (prefill: the prompt; decode: root + accepted drafts)
+    tokens:        (T,)      committed tokens (prefill: the prompt; decode: root + accepted drafts); None,
+                             as positions and hidden_states, in what returns to the scheduler (`for_scheduler`)
     next_tokens:   (T,)      the token following each one; a request's last entry is its new verified id
     positions:     (T,)
     slots:         (T,)      KV slots holding them (the scheduler frees the other verify slots)
@@ -248,9 +249,10 @@ class DraftExtendInput:
         return [[(lps[i], list(zip(ids[i], tops[i]))) for i in range(rows.start, rows.stop)]
                 for rows in self._new_rows()]
 
-    def without_hidden_states(self) -> "DraftExtendInput":
-        """The same batch minus the hidden rows (what the scheduler needs back, cheaply)."""
-        return replace(self, hidden_states=None)
+    def for_scheduler(self) -> "DraftExtendInput":
+        """The same batch minus what only the draft reads (the hidden rows, the committed tokens and
+        their positions): what a runner actor sends back to the scheduler, each tensor a cost on the hop."""
+        return replace(self, hidden_states=None, tokens=None, positions=None)
 
     def merge(self, other: "DraftExtendInput") -> "DraftExtendInput":
         if type(other) is not type(self):

@@ -112,6 +112,17 @@ def test_a_message_out_of_turn_fails_loudly_and_a_new_stream_starts_whole():
     assert receiver.decode(pickle.loads(cloudpickle.dumps(sent, protocol=5)))[1].topk_p.shape == (2, 3)  # plain
 
 
+def test_a_sender_not_holding_sends_every_field_whole():
+    """bench.graph's transport lever: the same stream with nothing held."""
+    sender, receiver, fixed = StreamSender(), StreamReceiver(), fixed_fields()
+    sender.holding = False
+    for seq in range(3):
+        sent = step(4 + seq, fixed, draft_input(0))
+        message = through_ray(sender.encode(*sent))
+        assert message[2] == ()
+        assert_same_values(sent[0], receiver.decode(message)[0])
+
+
 class Loopback:
     """The colocated actor's hop without Ray: each step's inputs through a stream and Ray's pickler,
     the runners' outputs back through the pickler, as the compiled graph moves them."""
@@ -125,7 +136,7 @@ class Loopback:
         self.held.append({held_field(code)[:2] for code in message[2]})
         ext, out = self.local.execute(*self.receiver.decode(message))
         self.receiver.returned(out)
-        ext, out = through_ray((ext.without_hidden_states(), out))
+        ext, out = through_ray((ext.for_scheduler(), out))
         self.sender.returned(out)
         return ext, out
 

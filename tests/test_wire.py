@@ -69,7 +69,7 @@ def batches() -> list:
                            top_ids=torch.zeros((6, 0), dtype=torch.long), catch_up_tokens=40, catch_up_s=0.0016)
     idle = [BatchMeta.create_idle(3, n), DraftInput.create_idle(hidden, 2), DraftInput.create_idle(None, 0),
             VerifyInput.create_idle(n), DraftExtendInput.create_idle(None)]
-    return [meta, draft, verify, ext, ext.without_hidden_states(), *idle]
+    return [meta, draft, verify, ext, ext.for_scheduler(), *idle]
 
 
 @pytest.mark.parametrize("index", range(len(batches())))
