@@ -546,12 +546,13 @@ class Scheduler:
         """Every per-request sampling input of BatchMeta but the history (see spec.batch): the two that
         move with a request's output every step, and those fixed for its life, which a decode step
         (`decode`) builds once for its requests and reuses while they stay the running batch."""
-        key, fixed = self._request_fields
         if not decode:
             fixed = self._fixed_fields(requests)
-        elif len(key) != len(requests) or any(a is not b for a, b in zip(key, requests)):
-            fixed = self._fixed_fields(requests)
-            self._request_fields = (tuple(requests), fixed)
+        else:
+            key, fixed = self._request_fields
+            if len(key) != len(requests) or any(a is not b for a, b in zip(key, requests)):
+                fixed = self._fixed_fields(requests)
+                self._request_fields = (tuple(requests), fixed)
         # Stop ids only matter while min_tokens holds them back (then the processors stay off).
         stops = [r.stop_ids if len(r.output_ids) < r.params.min_tokens else [] for r in requests]
         return dict(fixed, num_output=torch.tensor([len(r.output_ids) for r in requests], dtype=torch.long),

@@ -53,6 +53,11 @@ def _without(batch, names: list[str]):
     return copy
 
 
+def _tensors(batch, part: int) -> dict[str, torch.Tensor]:
+    """Field -> tensor of a batch of `_PARTS[part]` (None and plain fields left out)."""
+    return {n: v for n in _NAMES[part] if isinstance(v := getattr(batch, n), torch.Tensor)}
+
+
 def held_field(code: int) -> tuple[int, str, int]:
     """(part: 0 BatchMeta / 1 DraftInput, field name, source) of a held field's code (an int: pickled
     in a byte or two, where names and tuples cost tens)."""
@@ -77,13 +82,10 @@ class StreamSender:
         for part, batch in enumerate((meta, draft_input)):
             sent, names = self.sent[part], []
             returned = self.returned_by_actor if part == 1 else {}
-            now = {}
+            now = self.sent[part] = _tensors(batch, part)
             for index, name in enumerate(_NAMES[part]):
-                value = getattr(batch, name)
-                if not isinstance(value, torch.Tensor):
-                    continue
-                now[name] = value
-                if not self.holding:
+                value = now.get(name)
+                if value is None or not self.holding:
                     continue
                 if value is sent.get(name):
                     held.append(index << 2 | part << 1 | SENT)
@@ -91,7 +93,6 @@ class StreamSender:
                 elif value is returned.get(name):
                     held.append(index << 2 | part << 1 | RETURNED)
                     names.append(name)
-            self.sent[part] = now
             parts.append(_without(batch, names) if names else batch)
         message = (self.stream, self.seq, tuple(held), *parts)
         self.seq += 1
@@ -99,7 +100,7 @@ class StreamSender:
 
     def returned(self, draft_input: DraftInput) -> None:
         """The DraftInput the step returned, as the scheduler received it."""
-        self.returned_by_actor = {n: v for n in _NAMES[1] if isinstance(v := getattr(draft_input, n), torch.Tensor)}
+        self.returned_by_actor = _tensors(draft_input, 1)
 
 
 class StreamReceiver:
@@ -125,11 +126,10 @@ class StreamReceiver:
             if value is None:
                 raise StreamError(f"step message {seq} refers to a {_PARTS[part].__name__}.{name} this actor does not hold")
             setattr(parts[part], name, value)
-        self.held = [{n: v for n in _NAMES[i] if isinstance(v := getattr(p, n), torch.Tensor)}
-                     for i, p in enumerate(parts)]
+        self.held = [_tensors(p, i) for i, p in enumerate(parts)]
         self.next_seq = seq + 1
         return parts[0], parts[1]
 
     def returned(self, draft_input: DraftInput) -> None:
         """The DraftInput this actor is about to return for the step it decoded last."""
-        self.returned_here = {n: v for n in _NAMES[1] if isinstance(v := getattr(draft_input, n), torch.Tensor)}
+        self.returned_here = _tensors(draft_input, 1)

@@ -14,16 +14,12 @@ from actors import wire
 from actors.step_stream import StreamError, StreamReceiver, StreamSender, held_field
 from graphs import EngineConfig, SamplingParams, build_graph
 from spec import BatchMeta, DraftInput
+from wire_checks import assert_same, through_ray
 
 
 @pytest.fixture(scope="module", autouse=True)
 def packed():
     wire.register()
-
-
-def through_ray(obj):
-    """What the other side of a Ray hop reads: Ray pickles with its CloudPickler."""
-    return pickle.loads(cloudpickle.dumps(obj, protocol=5))
 
 
 def step(seq_len: int, fixed: dict, draft: DraftInput) -> tuple[BatchMeta, DraftInput]:
@@ -42,12 +38,6 @@ def draft_input(seed: int) -> DraftInput:
                       topk_p=torch.rand((2, 3), generator=g), topk_index=torch.randint(0, 50, (2, 3), generator=g))
 
 
-def assert_same_values(a, b) -> None:
-    for name in a.__dataclass_fields__:
-        x, y = getattr(a, name), getattr(b, name)
-        assert torch.equal(x, y) and x.dtype == y.dtype, name
-
-
 # The BatchMeta fields `step` leaves to BatchMeta's defaults: fresh tensors each time, so they travel.
 NEUTRAL = ["min_p", "prompt_lens", "num_output", "min_tokens", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "stop_ids", "bias_ids", "bias_values", "num_logprobs", "defer_draft"]
@@ -64,8 +54,8 @@ def test_held_fields_arrive_as_the_tensors_the_actor_holds():
     first = step(4, fixed, draft_input(0))
     message = cloudpickle.dumps(sender.encode(*first), protocol=5)
     meta, draft = receiver.decode(pickle.loads(message))
-    assert_same_values(first[0], meta)
-    assert_same_values(first[1], draft)
+    assert_same(first[0], meta)
+    assert_same(first[1], draft)
     returned = draft_input(1)  # what the actor's step returned, and the scheduler reads
     receiver.returned(returned)
     as_read = through_ray(returned)
@@ -81,15 +71,15 @@ def test_held_fields_arrive_as_the_tensors_the_actor_holds():
     assert sorted(travelled) == sorted(["seq_lens", "kv_slots", "next_token", "scratch_slots", "verify_slots", *NEUTRAL])
     assert len(again) < len(message)
     meta2, draft2 = receiver.decode(decoded)
-    assert_same_values(second[0], meta2)
-    assert_same_values(returned, draft2)
+    assert_same(second[0], meta2)
+    assert_same(returned, draft2)
     assert meta2.temperature is meta.temperature and meta2.history is meta.history  # what the actor held
     assert draft2.hidden_states is returned.hidden_states
     assert meta2.kv_slots.shape == (2, 5)  # what changed travelled
 
     third = step(6, fixed, draft_input(2))  # a DraftInput the scheduler built (requests joined): whole
     meta3, draft3 = receiver.decode(through_ray(sender.encode(*third)))
-    assert_same_values(third[1], draft3)
+    assert_same(third[1], draft3)
     assert meta3.seeds is meta.seeds
 
 
@@ -104,8 +94,8 @@ def test_a_message_out_of_turn_fails_loudly_and_a_new_stream_starts_whole():
     message = through_ray(sender.encode(*sent))
     assert message[2] == ()  # nothing held: the actor may hold nothing of a new stream
     meta, draft = receiver.decode(message)
-    assert_same_values(sent[0], meta)
-    assert_same_values(sent[1], draft)
+    assert_same(sent[0], meta)
+    assert_same(sent[1], draft)
     stranger = StreamReceiver()  # an actor that never saw the stream's start (a replacement)
     with pytest.raises(StreamError, match="never saw"):
         stranger.decode(through_ray(sender.encode(*step(8, fixed, draft_input(3)))))
@@ -120,7 +110,7 @@ def test_a_sender_not_holding_sends_every_field_whole():
         sent = step(4 + seq, fixed, draft_input(0))
         message = through_ray(sender.encode(*sent))
         assert message[2] == ()
-        assert_same_values(sent[0], receiver.decode(message)[0])
+        assert_same(sent[0], receiver.decode(message)[0])
 
 
 class Loopback:

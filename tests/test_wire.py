@@ -16,30 +16,12 @@ from ray import cloudpickle
 
 from actors import wire
 from spec import BatchMeta, DraftExtendInput, DraftInput, HiddenStateSpec, VerifyInput
+from wire_checks import assert_same, through_ray
 
 
 @pytest.fixture(scope="module", autouse=True)
 def packed():
     wire.register()
-
-
-def through_ray(obj):
-    """What the other side of a Ray hop reads: Ray pickles with its CloudPickler."""
-    return pickle.loads(cloudpickle.dumps(obj, protocol=5))
-
-
-def assert_same(a, b) -> None:
-    assert type(a) is type(b)
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if x is None:
-            assert y is None, f.name
-            continue
-        if not isinstance(x, torch.Tensor):  # a plain value (a step's catch-up count and seconds)
-            assert type(y) is type(x) and y == x, f.name
-            continue
-        assert (y.dtype, y.shape) == (x.dtype, x.shape), f.name
-        assert torch.equal(x, y), f.name
 
 
 def batches() -> list:
