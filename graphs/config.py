@@ -83,7 +83,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     # Ray backend: resources per actor (GPU actors run on CUDA), placement and graph mode.
     target_num_cpus: float = 1.0
-    draft_num_cpus: float = 1.0  # model-free drafters (NGRAM, NONE) take none
+    # The drafter's CPUs: its own actor's (placement "separate"; model-free drafters, NGRAM and NONE,
+    # take none there), or, colocated, added to the target actor's whatever it drafts with.
+    draft_num_cpus: float = 1.0
     target_num_gpus: float = 0.0
     draft_num_gpus: float = 0.0
     target_resources: dict | None = None  # custom resources, e.g. {"target_node": 1}

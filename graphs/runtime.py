@@ -53,13 +53,17 @@ def is_request_error(exc: BaseException) -> bool:
 
 
 def draft_cpus(config: EngineConfig) -> float:
-    """CPUs the drafter is given: model-free drafters (NGRAM, NONE) take none."""
+    """CPUs of the drafter's own actor (placement "separate"): model-free drafters (NGRAM, NONE)
+    take none, their actor only moves token ids."""
     return config.draft_num_cpus if config.algorithm.needs_draft_model else 0.0
 
 
 def target_cpus(config: EngineConfig) -> float:
-    """CPUs of a rank's target actor: a colocated drafter's join them (one process, one thread pool)."""
-    return config.target_num_cpus + (draft_cpus(config) if config.colocated_draft else 0.0)
+    """CPUs of a rank's target actor. A colocated drafter's CPUs join them whatever it drafts with:
+    one process, one thread pool, so a model-free drafter's share goes to the target's forward
+    (a rank takes target_num_cpus + draft_num_cpus for every algorithm; NONE on 1 of 2 CPUs decoded
+    at one torch thread, docs/benchmarks.md "Session 33")."""
+    return config.target_num_cpus + (config.draft_num_cpus if config.colocated_draft else 0.0)
 
 
 def graph_bundles(config: EngineConfig) -> list[dict]:

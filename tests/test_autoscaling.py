@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 API_KEY = "autoscaling-test-key"  # reaches the replicas as SPECGRAPH_API_KEY (the config's api_key_env)
-HEAD_CPUS = 1  # one engine replica (0.1 + 0.5 target + draft) and the ingress fit; a second needs a node
+HEAD_CPUS = 1  # one engine replica (0.1 + 0.5 target, no CPU for the drafter) and the ingress fit; a second needs a node
 
 FAKE_CLUSTER = {
     "cluster_name": "fake-autoscaling",
@@ -106,7 +106,7 @@ def test_serve_and_cluster_scale_up_and_down(cluster, tiny_target):
     config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]
-    app["args"].update(model=str(tiny_target), speculative_algorithm="NGRAM", target_num_cpus=0.5,
+    app["args"].update(model=str(tiny_target), speculative_algorithm="NGRAM", target_num_cpus=0.5, draft_num_cpus=0,
                        max_running_requests=4, kv_slots=2048, max_replicas=2)
     engine = next(d for d in app["deployments"] if d["name"] == "SpecEngine")
     engine["autoscaling_config"].update(max_replicas=2, target_ongoing_requests=2, upscale_delay_s=1,

@@ -68,6 +68,12 @@ def test_lossless_through_the_compiled_graph(request, tiny_target, reference, al
         # The scheduler actor keeps one torch thread: an OpenMP team of its own would spin on the
         # cores the runners compute on after each of its small tensor ops.
         assert ray.get(engine.scheduler.__ray_call__.remote(lambda self: torch.get_num_threads())) == 1
+        # A rank computes on target_num_cpus + draft_num_cpus (1 + 1) whatever it drafts with: a colocated
+        # drafter's CPU joins the target's thread pool, model-free (NGRAM) or not; a separate model draft
+        # keeps its own.
+        threads = ray.get([a.__ray_call__.remote(lambda self: self._compute.run(torch.get_num_threads))
+                           for a in actors])
+        assert threads == ([2] if engine.config.colocated_draft else [1, 1]) * dp
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
         # One request on dp ranks: the other ranks run idle inputs every step.
         assert engine.generate(PROMPTS[:1], GREEDY)[0].token_ids == reference[0]

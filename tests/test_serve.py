@@ -198,7 +198,9 @@ def test_app_args_and_deployment_options(tiny_target):
     auto = engine_dep._deployment_config.autoscaling_config
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 3, 6.0)
     bundles = engine_dep._replica_config.placement_group_bundles
-    assert bundles == [{"CPU": 0.1}, {"CPU": 1.0}]  # replica, target (the model-free drafter runs inside it)
+    # Replica, then the target with the drafter's CPU beside its own (the model-free drafter runs inside it):
+    # a rank computes on 2 CPUs whatever it drafts with.
+    assert bundles == [{"CPU": 0.1}, {"CPU": 2.0}]
     assert engine_dep._replica_config.placement_group_strategy == "PACK"
     assert engine_dep.max_ongoing_requests >= 8 + 256
 
