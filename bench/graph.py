@@ -1,6 +1,6 @@
 """Ray graph benchmark: the Ray backend against the local engine on the same cores, for NONE,
-NGRAM and the `make serve` EAGLE-3 tree, each Ray run with the drafter colocated in the target's
-actor and in its own actor.
+NGRAM and the `make serve` EAGLE-3 tree (and STANDALONE, named), each Ray run with the drafter
+colocated in the target's actor and in its own actor.
 
     python -m bench.graph [--plot] [--quick] [--levers-only]
 
@@ -51,6 +51,7 @@ PROMPTS = [
     "Summarize the plot of a heist movie you invent.",
 ]
 CONFIGS = ("none", "ngram", "eagle3-tree")  # eagle3-tree: what `make serve` runs (serve.settings)
+OTHER_CONFIGS = ("standalone",)  # by name only: the shipped small draft LM, 4 tokens a step
 PLACEMENTS = ("colocated", "separate")
 TIMED = ("step", "plan", "execute", "commit")
 
@@ -59,14 +60,16 @@ def conversations(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(n)]
 
 
-def speculation(name: str, draft: str) -> dict:
+def speculation(name: str, args) -> dict:
     if name == "none":
         return {}
     if name == "ngram":
         return {"speculative_algorithm": "NGRAM", "num_steps": 4}
     if name == "eagle3-tree":
-        return {**DEFAULT_SPECULATION, "draft_model": draft}
-    raise SystemExit(f"--configs: unknown config {name!r} (known: {', '.join(CONFIGS)})")
+        return {**DEFAULT_SPECULATION, "draft_model": args.draft_eagle3}
+    if name == "standalone":
+        return {"speculative_algorithm": "STANDALONE", "draft_model": args.draft_standalone, "num_steps": 4}
+    raise SystemExit(f"--configs: unknown config {name!r} (known: {', '.join(CONFIGS + OTHER_CONFIGS)})")
 
 
 def ray_key(placement: str, policy: str = "default") -> str:
@@ -76,7 +79,7 @@ def ray_key(placement: str, policy: str = "default") -> str:
 def variants(name: str, args) -> dict[str, EngineConfig]:
     """local, then ray/<placement> for each placement: the same engine on the same cores."""
     base = {"model": args.model, "dtype": args.dtype, "kv_slots": 8192, "max_running_requests": max(args.levels),
-            **speculation(name, args.draft_eagle3)}
+            **speculation(name, args)}
     local = EngineConfig(**base, num_threads=args.cores)
     draft_cpus = 1 if local.algorithm.needs_draft_model else 0
     out = {"local": local}
@@ -335,6 +338,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--draft-eagle3", default=DEFAULT_EAGLE3_DRAFT, help="the EAGLE-3 head of eagle3-tree")
+    parser.add_argument("--draft-standalone", default="smollm2-135m-instruct-standalone",
+                        help="the draft LM of standalone (a config named only: --configs standalone)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--placements", default=",".join(PLACEMENTS))
     parser.add_argument("--dtype", default="float32", help="every engine's dtype (`make serve` runs bfloat16 where "

@@ -93,8 +93,10 @@ class EngineConfig:
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
     # Where the drafter runs: "colocated" inside the target's actor (one Ray hop per step, hidden
     # states never serialized; its CPUs join the target's), "separate" in its own actor (a draft
-    # that needs its own device or node). None: separate for STANDALONE or when draft_num_gpus /
-    # draft_resources ask for the draft's own place, else colocated, the faster one measured
+    # that needs its own device or node). None: separate when draft_num_gpus / draft_resources ask
+    # for the draft's own place, else colocated, the faster one measured (STANDALONE included: its
+    # draft and target forwards run one after the other, so sharing one thread pool gives each all
+    # of the rank's cores; docs/benchmarks.md "Session 33")
     # (docs/benchmarks.md, bench/results/graph.json).
     draft_placement: str | None = None
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
@@ -191,7 +193,7 @@ class EngineConfig:
         """Whether the Ray graph hosts the drafter inside the target's actor (draft_placement resolved)."""
         if self.draft_placement is not None:
             return self.draft_placement == "colocated"
-        return not (self.algorithm is SpecAlgorithm.STANDALONE or self.draft_num_gpus or self.draft_resources)
+        return not (self.draft_num_gpus or self.draft_resources)
 
     def runner_kwargs(self, num_threads: int | None) -> dict:
         """What every runner is built with besides its model: KV pool size, dtype, device, threads."""

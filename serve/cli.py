@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default model: 16)")
     p.add_argument("--dp-size", type=int, default=None)
     p.add_argument("--draft-placement", choices=("colocated", "separate"), default=None,
-                   help="drafter inside the target's actor or in its own (default: colocated, separate for STANDALONE)")
+                   help="drafter inside the target's actor or in its own (default: colocated, separate for a draft given GPUs or resources)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--kv-slots", type=int, default=None)

@@ -40,12 +40,12 @@ def _ray_engine(target, algorithm=None, draft=None, **kw):
 
 OMP_POLICY = {"NGRAM": "passive", "STANDALONE": "brief"}  # the others run libgomp's default waits
 
-# Draft placement None is the per-algorithm default: colocated for EAGLE3 and NGRAM, separate for STANDALONE.
+# Draft placement None is the default: colocated (no draft GPUs or resources asked for); "separate" is named.
 @pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff,placement", [
     ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, None),
     ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, "separate"),
     ("STANDALONE", "tiny_standalone", 1, 1, 4, None, None),
-    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, "colocated"),
+    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, "separate"),
     ("NGRAM", None, 2, 1, 4, None, None),
     ("EAGLE3", "tiny_eagle3_shared", 2, 4, 8, 1, None),  # ranks with 2+ requests decode plainly
 ])
