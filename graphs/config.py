@@ -96,8 +96,7 @@ class EngineConfig:
     # that needs its own device or node). None: separate when draft_num_gpus / draft_resources ask
     # for the draft's own place, else colocated, the faster one measured (STANDALONE included: its
     # draft and target forwards run one after the other, so sharing one thread pool gives each all
-    # of the rank's cores; docs/benchmarks.md "Session 33")
-    # (docs/benchmarks.md, bench/results/graph.json).
+    # of the rank's cores; docs/benchmarks.md "The Ray actor graph" and "Session 33").
     draft_placement: str | None = None
     compiled_graph: bool = True  # False: plain actor calls each step (for comparison)
     # On CUDA, replay the target's decode / verify pass and the draft's propose and extend passes
