@@ -29,7 +29,9 @@ moves within seconds: identical engines read up to 11% apart over six ~7 s turns
 over twenty 1 s slices (docs/benchmarks.md, session 29). Output tokens must equal `none`'s in the same
 dtype (greedy speculation is lossless); differing requests (finished by both) are counted. Results are
 grouped "PROMPTS-DTYPE"; each entry also holds the decode steps per tree size the engine chose
-(`tree_sizes`) and this process's CPU milliseconds per output token (`cpu_ms_per_token`, local backend:
+(`tree_sizes`), where a local engine's time went step by step (`step_profile`: per step kind and tree
+size, the steps, their share of the time, median step, prompt tokens carried, tokens per request; see
+`StepProfile`) and this process's CPU milliseconds per output token (`cpu_ms_per_token`, local backend:
 every thread of the engine) with its ratio to `none`'s (`cpu_ratio`), which separates another process's
 load from the engine's own (a slower host, whose memory other machines share, slows both alike). Engines are built (and their
 start-up cost probe, `actors.cost_probe`, run) before anything is timed. A quick subset:
@@ -51,6 +53,7 @@ import datetime as _dt
 import json
 import math
 import shlex
+import statistics
 import sys
 import time
 from functools import partial
@@ -72,6 +75,40 @@ SLICE_S = 1.0  # `--interleave slices`: seconds an engine runs before the next o
 MIN_SLICES = 16  # and at least this many slices each per level and prompt set
 
 
+class StepProfile:
+    """Where a level's time went, step by step: per step kind and verified nodes per request ("decode/2",
+    "mixed/1", "prefill/0"), the steps, their share of the time, their median seconds, the prompt tokens
+    they carried and the output tokens per request in them. A config that loses to `none` at a level loses
+    it somewhere in this table: in its decode steps (trees that do not pay), in its mixed steps (prompts
+    riding in drafting steps, which a closed loop of equal lengths spreads over many steps once requests
+    accept at different rates, where `none` prefills a whole wave at once), or in rare dear steps
+    (measuring a full tree, a catch-up): docs/benchmarks.md, session 34."""
+
+    def __init__(self):
+        self.steps: dict[str, list[tuple[float, int, int, int]]] = {}  # key -> (seconds, prompt, tokens, requests)
+
+    def add(self, plan, seconds: float, tokens: int) -> None:
+        nodes = int(plan.meta.verify_slots.shape[1]) if plan.kind in ("decode", "mixed") else 0
+        prompt = int(plan.meta.prefill_lens.sum())
+        self.steps.setdefault(f"{plan.kind}/{nodes}", []).append((seconds, prompt, tokens, len(plan.requests)))
+
+    @classmethod
+    def combined(cls, profiles) -> "StepProfile":
+        out = cls()
+        for profile in profiles:
+            for key, rows in profile.steps.items():
+                out.steps.setdefault(key, []).extend(rows)
+        return out
+
+    def summary(self) -> dict:
+        total = sum(r[0] for rows in self.steps.values() for r in rows) or 1.0
+        return {key: {"steps": len(rows), "time_share": round(sum(r[0] for r in rows) / total, 4),
+                      "median_ms": round(1e3 * statistics.median(r[0] for r in rows), 2),
+                      "prompt_tokens_per_step": round(sum(r[1] for r in rows) / len(rows), 1),
+                      "tokens_per_request_step": round(sum(r[2] for r in rows) / max(1, sum(r[3] for r in rows)), 3)}
+                for key, rows in sorted(self.steps.items())}
+
+
 class ClosedLoop:
     """One local engine's closed loop at a level: `level` requests in flight, each finished one's place
     going to the next prompt before the next step. `repeat`: the prompts start over when they run out, and
@@ -87,6 +124,12 @@ class ClosedLoop:
         self.active: dict[int, tuple] = {}  # submission index -> (Request, its output tokens counted)
         self.finished: dict[int, object] = {}  # submission index -> RequestOutput
         self.sizes = tree_sizes(engine)
+        self.profile = StepProfile()
+        self._plan = None  # the step's plan, as the scheduler made it (`_planned`)
+
+    def _planned(self, plan_fn):
+        self._plan = plan_fn()
+        return self._plan
 
     def step(self) -> int:
         """Fill the free places, run one engine step; the output tokens it produced."""
@@ -94,7 +137,18 @@ class ClosedLoop:
             ids = self.prompts[self.submitted % len(self.prompts)]
             self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(ids, self.params)), 0)
             self.submitted += 1
-        self.scheduler.step()
+        self._plan = None
+        plan_fn, own = self.scheduler.plan, vars(self.scheduler).get("plan")
+        self.scheduler.plan = partial(self._planned, plan_fn)
+        start = time.perf_counter()
+        try:
+            self.scheduler.step()
+        finally:
+            if own is None:
+                del self.scheduler.plan  # the class's own again
+            else:
+                self.scheduler.plan = own
+        seconds = time.perf_counter() - start
         tokens = 0
         for i, (request, counted) in list(self.active.items()):
             tokens += len(request.output_ids) - counted
@@ -105,6 +159,8 @@ class ClosedLoop:
             del self.active[i]
             if out.error:
                 raise RuntimeError(f"request failed: {out.error}")
+        if self._plan is not None:
+            self.profile.add(self._plan, seconds, tokens)
         return tokens
 
     def ramp_up(self) -> None:
@@ -113,6 +169,7 @@ class ClosedLoop:
         while (self.scheduler.waiting or self.scheduler.prefilling) and not self.finished:
             self.step()
         self.sizes = tree_sizes(self.engine)
+        self.profile = StepProfile()  # the steady state's steps only
 
     def run_slice(self, seconds: float) -> dict:
         """Steps for at least `seconds`: their wall and CPU seconds, output tokens, requests finished so far."""
@@ -132,7 +189,7 @@ class ClosedLoop:
 
     def close(self) -> dict:
         """Abort what is in flight; the finished requests' tokens, verify steps and token ids (by submission
-        index), and the decode steps per tree size since the ramp-up."""
+        index), the decode steps per tree size and the step profile (`StepProfile`) since the ramp-up."""
         after = tree_sizes(self.engine)
         for request, _ in self.active.values():
             self.scheduler.abort(request.rid)
@@ -142,25 +199,28 @@ class ClosedLoop:
         return {"tokens": sum(o.num_output_tokens for o in outs.values()),
                 "steps": sum(o.num_verify_steps for o in outs.values()),
                 "token_ids": {i: list(o.token_ids) for i, o in outs.items()},
-                "tree_sizes": {k: n - self.sizes.get(k, 0) for k, n in after.items() if n > self.sizes.get(k, 0)}}
+                "tree_sizes": {k: n - self.sizes.get(k, 0) for k, n in after.items() if n > self.sizes.get(k, 0)},
+                "profile": self.profile}
 
 
 def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> dict:
     """`conversations` through `engine` with `level` requests in flight (all of them: one wave): a finished
     request's place goes to the next prompt before the next step (local backend) or as soon as its result
     is back (Ray). Wall and CPU seconds, tokens, verify steps, token ids in prompt order, and the decode
-    steps per tree size the engine chose meanwhile."""
+    steps per tree size the engine chose meanwhile, and (local backend) its step profile (`StepProfile`)."""
     before = tree_sizes(engine)
     if isinstance(engine, LocalEngine):
         loop = ClosedLoop(engine, conversations, level, max_tokens, repeat=False)
         start, cpu = time.perf_counter(), time.process_time()
         outs = loop.run_out()
+        profile = loop.profile
     else:
         import ray
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prompts = [engine.encode_chat(c) for c in conversations]
         outs: list = [None] * len(prompts)
+        profile = StepProfile()  # the steps run in the scheduler actor, not timed here
         start, cpu = time.perf_counter(), time.process_time()
         pending: dict = {}
         for i, ids in enumerate(prompts):
@@ -177,7 +237,8 @@ def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: i
     after = tree_sizes(engine)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": sum(o.num_output_tokens for o in outs),
             "steps": sum(o.num_verify_steps for o in outs), "token_ids": [list(o.token_ids) for o in outs],
-            "tree_sizes": {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}}
+            "tree_sizes": {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)},
+            "profile": profile}
 
 
 def tree_sizes(engine) -> dict[int, int]:
@@ -288,7 +349,8 @@ def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int, repeat
         tokens = sum(r["tokens"] for r in rs)
         totals[key] = {"tokens": tokens, "wall_s": sum(r["wall_s"] for r in rs), "cpu_s": sum(r["cpu_s"] for r in rs),
                        "finished_tokens": tokens, "steps": sum(r["steps"] for r in rs), "tree_sizes": sizes,
-                       "token_ids": dict(enumerate(ids for r in rs for ids in r["token_ids"]))}
+                       "token_ids": dict(enumerate(ids for r in rs for ids in r["token_ids"])),
+                       "profile": StepProfile.combined(r["profile"] for r in rs)}
     return totals
 
 
@@ -315,7 +377,7 @@ def _slices(engines: dict, level: int, prompt_sets: dict, max_tokens: int, reque
             totals[(kind, *key)] = {"tokens": sum(t["tokens"] for t in ts), "wall_s": sum(t["wall_s"] for t in ts),
                                     "cpu_s": sum(t["cpu_s"] for t in ts), "finished_tokens": closed["tokens"],
                                     "steps": closed["steps"], "tree_sizes": closed["tree_sizes"],
-                                    "token_ids": closed["token_ids"], "slices": len(ts)}
+                                    "token_ids": closed["token_ids"], "slices": len(ts), "profile": closed["profile"]}
     return totals
 
 
@@ -332,7 +394,8 @@ def _entry(total: dict, reference: dict) -> dict:
              "mismatches": sum(ids[i] != ref[i] for i in ids.keys() & ref.keys())}
     return {**{k: round(v, 3) for k, v in entry.items()}, "requests": len(ids),
             **({"slices": total["slices"]} if "slices" in total else {}),
-            "tree_sizes": {str(k): n for k, n in sorted(total["tree_sizes"].items())}}
+            "tree_sizes": {str(k): n for k, n in sorted(total["tree_sizes"].items())},
+            "step_profile": total["profile"].summary()}
 
 
 def plot(result: dict, path: Path) -> Path:

@@ -35,11 +35,30 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert group["none"]["1"]["tree_sizes"] == {"1": 2 * 5}  # both prompts' decode steps at batch 1
     assert cut["2"]["acceptance_length"] == 1.0 and cut["2"]["tree_sizes"] == {"1": 5}
     assert set(full["1"]["tree_sizes"]) == {"5"}  # ngram's 4 steps + the root, every decode step
+    for per_level in group.values():
+        for entry in per_level.values():
+            _check_step_profile(entry)
+    assert group["none"]["1"]["step_profile"]["decode/1"]["tokens_per_request_step"] == 1.0
+    assert full["1"]["step_profile"]["prefill/0"]["prompt_tokens_per_step"] > 0
     assert json.loads(out.read_text()) == result
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["meta"]["levels"] == [1, 2] and result["meta"]["repeats"] == 1
     assert result["meta"]["prompts_per_level"] == 2 and result["meta"]["arrival"] == "closed"
     assert not result["meta"]["engine_per_process"]
+
+
+def _check_step_profile(entry: dict) -> None:
+    """The step profile covers the steps the tree sizes count: per size, its decode and mixed steps (a
+    mixed step decodes the running batch at the size the policy chose), and its time shares sum to 1."""
+    profile = entry["step_profile"]
+    by_size: dict[str, int] = {}
+    for key, row in profile.items():
+        kind, nodes = key.split("/")
+        if kind in ("decode", "mixed"):
+            by_size[nodes] = by_size.get(nodes, 0) + row["steps"]
+        assert row["steps"] > 0 and row["median_ms"] > 0
+    assert by_size == entry["tree_sizes"]
+    assert abs(sum(row["time_share"] for row in profile.values()) - 1.0) < 1e-3
 
 
 def _pid(engine) -> int:
@@ -148,6 +167,11 @@ def test_a_paused_closed_loop_keeps_its_level_in_flight_across_slices(tiny_targe
     engine.scheduler.step = step
     closed = concurrency.close_loop(engine)
     assert in_flight and set(in_flight) == {3}
+    # Its step profile: the slices' steps (none of the ramp-up's), prompt chunks riding in decode steps.
+    profile = closed["profile"].summary()
+    assert sum(row["steps"] for row in profile.values()) == len(in_flight)
+    assert profile["mixed/1"]["prompt_tokens_per_step"] > 0 and profile["decode/1"]["prompt_tokens_per_step"] == 0
+    _check_step_profile({"step_profile": profile, "tree_sizes": {str(k): n for k, n in closed["tree_sizes"].items()}})
     assert sum(s["tokens"] for s in slices) > 0 and slices[-1]["finished"] == len(closed["token_ids"]) > 5
     assert not engine.scheduler.has_unfinished() and engine.scheduler.num_free_slots == free
     alone = [engine.chat([c], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
@@ -165,5 +189,7 @@ def test_sliced_levels_interleave_engines_in_processes(tiny_target, tmp_path):
     none, ngram = group["none"]["2"], group["ngram"]["2"]
     assert none["slices"] == ngram["slices"] >= 3 and min(none["requests"], ngram["requests"]) >= 4
     assert ngram["mismatches"] == 0 and ngram["tokens_per_s"] > 0 and none["speedup"] == 1.0
+    for entry in (none, ngram):  # the timed slices' steps, not the ramp-up's: as the tree sizes count them
+        _check_step_profile(entry)
     with pytest.raises(SystemExit):  # waves run whole in turns
         concurrency.parse_args(["--arrival", "wave", "--interleave", "slices"])
