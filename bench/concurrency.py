@@ -52,6 +52,7 @@ import dataclasses
 import datetime as _dt
 import json
 import math
+import random
 import shlex
 import statistics
 import sys
@@ -116,10 +117,12 @@ class ClosedLoop:
     engine runs a slice, so every slice is the level's steady state, not a ramp-up or a drain; else
     `run_out` runs each prompt once (`run_level`)."""
 
-    def __init__(self, engine, conversations: list[list[dict]], level: int, max_tokens: int, repeat: bool = True):
+    def __init__(self, engine, conversations: list[list[dict]], level: int, max_tokens: int | list[int],
+                 repeat: bool = True):
         self.engine, self.scheduler, self.level, self.repeat = engine, engine.scheduler, level, repeat
         self.prompts = [engine.encode_chat(c) for c in conversations]
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+                       for n in per_prompt(max_tokens, len(self.prompts))]
         self.submitted = 0
         self.active: dict[int, tuple] = {}  # submission index -> (Request, its output tokens counted)
         self.finished: dict[int, object] = {}  # submission index -> RequestOutput
@@ -134,8 +137,8 @@ class ClosedLoop:
     def step(self) -> int:
         """Fill the free places, run one engine step; the output tokens it produced."""
         while len(self.active) < self.level and (self.repeat or self.submitted < len(self.prompts)):
-            ids = self.prompts[self.submitted % len(self.prompts)]
-            self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(ids, self.params)), 0)
+            i = self.submitted % len(self.prompts)
+            self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(self.prompts[i], self.params[i])), 0)
             self.submitted += 1
         self._plan = None
         plan_fn, own = self.scheduler.plan, vars(self.scheduler).get("plan")
@@ -203,7 +206,25 @@ class ClosedLoop:
                 "profile": self.profile}
 
 
-def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> dict:
+def per_prompt(max_tokens: int | list[int], count: int) -> list[int]:
+    """Each prompt's output length: `max_tokens` for all, or its own (`request_lengths`)."""
+    return [max_tokens] * count if isinstance(max_tokens, int) else list(max_tokens)[:count]
+
+
+def request_lengths(max_tokens: int, spread: float, count: int) -> list[int]:
+    """`count` prompts' output lengths: `max_tokens` each, or with `spread` > 0 drawn evenly from
+    max_tokens x [1 - spread, 1 + spread], the same for every config (seeded), so outputs still compare
+    request for request. With one length for all, a closed loop of plain decoding finishes its whole
+    batch in one step and prefills the next batch together, which no server's traffic does: a config
+    whose requests finish steps apart (speculation, each request accepting at its own rate) then
+    carries its prompts one or two at a time in its decode steps (docs/benchmarks.md, session 34)."""
+    if spread <= 0:
+        return [max_tokens] * count
+    rng = random.Random(0)
+    return [max(1, round(max_tokens * (1.0 - spread + 2.0 * spread * rng.random()))) for _ in range(count)]
+
+
+def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: int | list[int]) -> dict:
     """`conversations` through `engine` with `level` requests in flight (all of them: one wave): a finished
     request's place goes to the next prompt before the next step (local backend) or as soon as its result
     is back (Ray). Wall and CPU seconds, tokens, verify steps, token ids in prompt order, and the decode
@@ -217,8 +238,8 @@ def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: i
     else:
         import ray
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         prompts = [engine.encode_chat(c) for c in conversations]
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in per_prompt(max_tokens, len(prompts))]
         outs: list = [None] * len(prompts)
         profile = StepProfile()  # the steps run in the scheduler actor, not timed here
         start, cpu = time.perf_counter(), time.process_time()
@@ -227,7 +248,7 @@ def run_level(engine, conversations: list[list[dict]], level: int, max_tokens: i
             if len(pending) == level:
                 done, _ = ray.wait(list(pending), num_returns=1)
                 outs[pending.pop(done[0])] = ray.get(done[0])
-            pending[engine.scheduler.generate.remote(ids, params)] = i
+            pending[engine.scheduler.generate.remote(ids, params[i])] = i
         for ref, i in pending.items():
             outs[i] = ray.get(ref)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -253,7 +274,7 @@ def tree_sizes(engine) -> dict[int, int]:
 _LOOPS: dict[int, ClosedLoop] = {}  # engine id -> its loop, in the engine's process
 
 
-def open_loop(engine, conversations: list[list[dict]], level: int, max_tokens: int) -> None:
+def open_loop(engine, conversations: list[list[dict]], level: int, max_tokens: int | list[int]) -> None:
     loop = _LOOPS[id(engine)] = ClosedLoop(engine, conversations, level, max_tokens)
     loop.ramp_up()
 
@@ -291,12 +312,13 @@ def warm_up(conversation: list[dict], engine) -> None:
     engine.chat([conversation], SamplingParams(max_tokens=4, temperature=0.0))
 
 
-def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int,
+def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[dict]]], max_tokens: int | list[int],
             repeats: int, prompts_per_level: int = 1, arrival: str = "closed", rounds: int = 3,
             threads: int | None = None, engine_processes: bool = True, interleave: str = "turns",
             slice_s: float = SLICE_S, min_slices: int = MIN_SLICES) -> dict:
     """{"PROMPTS-DTYPE": {config: {level: {tokens_per_s, wall_s, acceptance_length, speedup, mismatches,
-    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}. Configs take turns at each level
+    tree_sizes, requests}}}}. `configs`: {(dtype, name): EngineConfig}; `max_tokens`: every request's, or
+    each prompt's (`request_lengths`). Configs take turns at each level
     (`_turns` or `_slices`, by `interleave`); tokens/s is total tokens over total wall time, speedup is over
     `none` in the same dtype and prompts; each request's tokens are checked against `none`'s of the same
     prompt. Engines are built one at a time (each one's start-up cost probe alone on the machine), local
@@ -325,7 +347,7 @@ def measure(configs: dict, levels: list[int], prompt_sets: dict[str, list[list[d
             engine.shutdown()
 
 
-def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int, repeats: int, prompts_per_level: int,
+def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int | list[int], repeats: int, prompts_per_level: int,
            arrival: str, rounds: int) -> dict:
     """Each config runs the level's `level_runs` whole in its turn, every repeat, prompt set and dtype
     (`turn_order`). {(kind, dtype, name): totals (`_entry`)}."""
@@ -337,7 +359,8 @@ def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int, repeat
             for kind, conversations in prompt_sets.items():
                 for key in turn_order(list(engines), turn):
                     batch = conversations[first:first + count]
-                    runs[(kind, *key)].append(engines[key].call(run_level, batch, in_flight, max_tokens))
+                    lengths = per_prompt(max_tokens, len(conversations))[first:first + count]
+                    runs[(kind, *key)].append(engines[key].call(run_level, batch, in_flight, lengths))
                 turn += 1
             first += count
     totals = {}
@@ -354,7 +377,7 @@ def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int, repeat
     return totals
 
 
-def _slices(engines: dict, level: int, prompt_sets: dict, max_tokens: int, requests: int, slice_s: float,
+def _slices(engines: dict, level: int, prompt_sets: dict, max_tokens: int | list[int], requests: int, slice_s: float,
             min_slices: int) -> dict:
     """Every engine keeps a closed loop of `level` requests (`ClosedLoop`) and they take turns in slices of
     `slice_s` seconds (`turn_order`), at least `min_slices` each and until each has finished `requests`
@@ -441,6 +464,9 @@ def parse_args(argv: list[str] | None):
                    help="Spec-Bench question.jsonl for the long prompts (its summarization and rag questions)")
     p.add_argument("--dtypes", default=None, help="comma-separated dtypes, each config in each (default: --dtype)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--length-spread", type=float, default=0.0,
+                   help="each prompt's output length drawn from max_tokens x [1 - S, 1 + S] (the same for every "
+                        "config); 0: every request max_tokens long")
     p.add_argument("--repeats", type=int, default=2, help="rounds of every config per level")
     p.add_argument("--engine-processes", action=argparse.BooleanOptionalAction, default=True,
                    help="each local engine in a process of its own (in one process, engines built earlier step "
@@ -474,6 +500,8 @@ def parse_args(argv: list[str] | None):
         args.interleave = "slices" if sliceable else "turns"
     if args.interleave == "slices" and not sliceable:
         p.error("--interleave slices: local engines in processes of their own and closed arrival only")
+    if not 0.0 <= args.length_spread < 1.0:
+        p.error("--length-spread must be in [0, 1)")
     if args.slice_s <= 0 or args.min_slices < 1:
         p.error("--slice-s and --min-slices must be positive")
     return args
@@ -503,10 +531,11 @@ def main(argv: list[str] | None = None) -> dict:
     most = max(sum(count for count, _ in level_runs(level, args.prompts_per_level, args.arrival, args.rounds))
                for level in args.levels)
     prompt_sets = {kind: prompt_set(kind, most, args.questions) for kind in args.prompts}
+    lengths = request_lengths(args.max_tokens, args.length_spread, most)
     if args.kv_slots is None:  # every request of the largest level at once
         tokenizer = load_tokenizer(ModelSource.resolve(args.model).folder)
         ids = [encode_chat(tokenizer, c, None) for cs in prompt_sets.values() for c in cs]
-        args.kv_slots = kv_slots_for(ids, max(args.levels), args.max_tokens)
+        args.kv_slots = kv_slots_for(ids, max(args.levels), max(lengths))
     configs = {}
     for dtype in args.dtypes:
         args.dtype = dtype
@@ -522,7 +551,7 @@ def main(argv: list[str] | None = None) -> dict:
         needed = sum(b.get("CPU", 0) for cfg in configs.values() for b in graph_bundles(cfg))
         ray.init(address="local", num_cpus=math.ceil(needed) + 1, include_dashboard=False, log_to_driver=False)
     try:
-        results = measure(configs, args.levels, prompt_sets, args.max_tokens, args.repeats, args.prompts_per_level,
+        results = measure(configs, args.levels, prompt_sets, lengths, args.repeats, args.prompts_per_level,
                           args.arrival, args.rounds, args.threads, args.engine_processes, args.interleave,
                           args.slice_s, args.min_slices)
     finally:
@@ -530,6 +559,7 @@ def main(argv: list[str] | None = None) -> dict:
             ray.shutdown()
     result = {
         "meta": {"model": args.model, "backend": args.backend, "levels": args.levels, "max_tokens": args.max_tokens,
+                 "length_spread": args.length_spread,
                  "repeats": args.repeats, "prompts_per_level": args.prompts_per_level, "arrival": args.arrival,
                  "rounds": args.rounds, "prompts": args.prompts, "interleave": args.interleave,
                  "slice_s": args.slice_s, "min_slices": args.min_slices,

@@ -193,3 +193,25 @@ def test_sliced_levels_interleave_engines_in_processes(tiny_target, tmp_path):
         _check_step_profile(entry)
     with pytest.raises(SystemExit):  # waves run whole in turns
         concurrency.parse_args(["--arrival", "wave", "--interleave", "slices"])
+
+
+def test_requests_may_each_have_their_own_length(tiny_target):
+    """`--length-spread`: each prompt keeps one output length for every config (seeded), spread evenly
+    around --max-tokens, so a closed loop's requests finish steps apart as a server's do; 0 keeps one
+    length for all."""
+    from graphs import EngineConfig, build_graph
+
+    assert concurrency.request_lengths(8, 0.0, 3) == [8, 8, 8]
+    lengths = concurrency.request_lengths(40, 0.5, 64)
+    assert lengths == concurrency.request_lengths(40, 0.5, 64) and min(lengths) >= 20 and max(lengths) <= 60
+    assert len(set(lengths)) > 10 and abs(sum(lengths) / len(lengths) - 40) < 4
+    engine = build_graph(EngineConfig(model=str(tiny_target), kv_slots=2048))
+    conversations = [[{"role": "user", "content": f"word {i}"}] for i in range(4)]
+    run = concurrency.run_level(engine, conversations, 2, [3, 7, 1, 5])
+    assert [len(ids) for ids in run["token_ids"]] == [3, 7, 1, 5]
+    concurrency.open_loop(engine, conversations, 2, [3, 7, 1, 5])
+    concurrency.run_slice(engine, 0.05)
+    closed = concurrency.close_loop(engine)
+    assert closed["token_ids"] and all(len(ids) == [3, 7, 1, 5][i % 4] for i, ids in closed["token_ids"].items())
+    with pytest.raises(SystemExit):
+        concurrency.parse_args(["--length-spread", "1.0"])
