@@ -140,6 +140,8 @@ class ClosedLoop:
             i = self.submitted % len(self.prompts)
             self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(self.prompts[i], self.params[i])), 0)
             self.submitted += 1
+        # The step's plan, for the profile: the scheduler keeps none once it has committed. A plan the
+        # caller put on the instance (a test's wrapper) is wrapped and put back.
         self._plan = None
         plan_fn, own = self.scheduler.plan, vars(self.scheduler).get("plan")
         self.scheduler.plan = partial(self._planned, plan_fn)
