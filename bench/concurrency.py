@@ -448,7 +448,8 @@ def plot(result: dict, path: Path) -> Path:
         row[1].axhline(0.98, color="grey", linewidth=0.6, linestyle=":")
     meta = result["meta"]
     fig.suptitle(f"{meta['model']}, {meta['backend']} backend, {meta['threads']} threads, "
-                 f"{meta['max_tokens']} tokens per request")
+                 f"{meta['max_tokens']} tokens per request"
+                 + (f" (each its own, \u00b1{meta['length_spread']:.0%})" if meta.get("length_spread") else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
