@@ -359,9 +359,9 @@ def _turns(engines: dict, level: int, prompt_sets: dict, max_tokens: int | list[
         first = 0
         for count, in_flight in level_runs(level, prompts_per_level, arrival, rounds):
             for kind, conversations in prompt_sets.items():
+                batch = conversations[first:first + count]
+                lengths = per_prompt(max_tokens, len(conversations))[first:first + count]
                 for key in turn_order(list(engines), turn):
-                    batch = conversations[first:first + count]
-                    lengths = per_prompt(max_tokens, len(conversations))[first:first + count]
                     runs[(kind, *key)].append(engines[key].call(run_level, batch, in_flight, lengths))
                 turn += 1
             first += count

@@ -38,6 +38,7 @@ import torch
 
 from graphs import EngineConfig, SamplingParams, build_graph
 from graphs.config import OMP_WAIT_POLICIES
+from graphs.runtime import draft_cpus
 from serve.settings import DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION
 
 PROMPTS = [
@@ -81,12 +82,12 @@ def variants(name: str, args) -> dict[str, EngineConfig]:
     base = {"model": args.model, "dtype": args.dtype, "kv_slots": 8192, "max_running_requests": max(args.levels),
             **speculation(name, args)}
     local = EngineConfig(**base, num_threads=args.cores)
-    draft_cpus = 1 if local.algorithm.needs_draft_model else 0
+    draft = draft_cpus(local)  # 1 for a draft model (the default draft_num_cpus), 0 for a model-free drafter
     out = {"local": local}
     for placement in args.placements:
         for policy in args.omp_wait_policies:
             out[ray_key(placement, policy)] = EngineConfig(**base, backend="ray", draft_placement=placement, omp_wait_policy=policy,
-                                    target_num_cpus=args.cores - draft_cpus, draft_num_cpus=draft_cpus)
+                                    target_num_cpus=args.cores - draft, draft_num_cpus=draft)
     return out
 
 
