@@ -185,10 +185,10 @@ def _query_runs(new_lens: torch.Tensor, trees: int = 0) -> list[tuple[int, int]]
 class KVPool:
     """Per-layer K/V tensors indexed by slot ids: (kv_heads, num_slots, head_dim) each.
 
-    Head-major, so that gathering a batch's slots gives each KV head's keys as one contiguous
-    (B * K, D) block: SDPA reads the gather as (B, Hkv, K, D) views with each (K, D) matrix
-    contiguous, where a slot-major pool's gather had to be copied once more into such a layout in
-    every layer (the largest of the small ops of a batch-16 decode step in a CPU profile)."""
+    Head-major, so that a request's keys for one KV head are rows of one (Hkv * S, D) table and a
+    single index_select gathers the batch as (B, Hkv, K, D) with each (K, D) matrix contiguous, where a
+    slot-major pool's gather had to be copied once more into such a layout in every layer (the largest
+    of the small ops of a batch-16 decode step in a CPU profile)."""
 
     def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device):
         shape = (kv_heads, num_slots, head_dim)
@@ -227,11 +227,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     q_pad = q_pad.view(batch, num_q, heads, dim)  # (B, Q, Hq, D)
     # The pool's rows as one (Hkv * S, D) table: index_select along dim 0 splits its rows over the
     # threads, along dim 1 of (Hkv, S, D) it ran on one (bf16, 2 threads, 32 x 120 keys: 30 vs 89 us).
+    # Gathered request-major, (B, Hkv, K, D) contiguous: SDPA reads it as fast as the head-major
+    # order's views, and `grouped_attention`'s batched products need it (a strided batch cost them 2x).
     kv_heads = k_cache.shape[0]
-    rows = (_head_starts(kv_heads, k_cache.shape[1], q.device) + meta.kv_index.view(1, -1)).view(-1)  # (Hkv * B * K,)
-    keys = k_cache.view(-1, dim).index_select(0, rows).view(kv_heads, batch, -1, dim)  # (Hkv, B, K, D)
-    values = v_cache.view(-1, dim).index_select(0, rows).view(kv_heads, batch, -1, dim)
-    out = masked_attention(q_pad.transpose(1, 2), keys.transpose(0, 1), values.transpose(0, 1), meta.mask, scale,
+    rows = (meta.kv_index.view(batch, 1, -1) + _head_starts(kv_heads, k_cache.shape[1], q.device)).view(-1)  # (B * Hkv * K,)
+    keys = k_cache.view(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)  # (B, Hkv, K, D)
+    values = v_cache.view(-1, dim).index_select(0, rows).view(batch, kv_heads, -1, dim)
+    out = masked_attention(q_pad.transpose(1, 2), keys, values, meta.mask, scale,
                            expand_kv=q.is_cuda).transpose(1, 2)  # (B, Q, Hq, D)
     out = out.reshape(batch * num_q, heads, dim)
     return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)
@@ -261,10 +263,11 @@ def fresh_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      expand_kv: bool) -> torch.Tensor:
     """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D); mask None:
-    causal (Q == K, every key a new token). SDPA in every dtype: on CPU its bf16 kernel over the
-    head-major gather's (B, Hkv, K, D) views took 7-13% less of a whole bf16 decode step at 1-32
-    requests than a KV head's query heads run as rows of two bf16 matmuls (docs/benchmarks.md,
-    "Session 17").
+    causal (Q == K, every key a new token). On CPU, SDPA, except where `grouped_pays`: many requests
+    of a few queries each, whose KV heads' query rows then run stacked in two batched products
+    (`grouped_attention`). Session 17 measured such products 7-13% dearer than SDPA over a strided
+    (head-major) gather at 1-32 requests; over a contiguous (B, Hkv, K, D) gather they are cheaper at
+    those shapes (docs/benchmarks.md, "Session 35").
 
     expand_kv (the CUDA path): give every query head its own view of its KV head instead of
     SDPA's enable_gqa, and run SDPA's memory-efficient kernel. With a mask, enable_gqa falls back
@@ -275,6 +278,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     cheaper there."""
     causal = mask is None
     if not expand_kv:
+        if not causal and grouped_pays(q.dtype, q.shape[0], q.shape[2]):
+            return grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
     with sdpa_kernel(_CUDA_BACKENDS):
@@ -283,6 +288,37 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# When `grouped_attention` beats SDPA on CPU: at least this many query rows (requests x queries) with
+# at most this many queries a request (decode rows, small verify trees, a draft level's beams), per
+# dtype. SDPA's CPU kernel runs a small product per (request, query head), a fixed cost that dominates
+# at a few queries over a few hundred keys; two batched products per (request, KV head) spread it over
+# the head group. The default model's whole target forward, grouped against SDPA (2 threads, AMX
+# Xeon; docs/benchmarks.md "Session 35"): bf16 0.72-0.91x at 32 requests of 1-4 queries and 0.82-0.98x
+# at 16 of 2-4 (150-600 keys), but 1.045x at 16 of one query over 150; fp32 0.93-0.97x at 16-64
+# requests of one query, 1.01-1.03x at two. Below these, or for longer queries, SDPA.
+GROUPED_MIN_ROWS = {torch.bfloat16: 32, torch.float32: 16}
+GROUPED_MAX_QUERIES = {torch.bfloat16: 4, torch.float32: 1}
+
+
+def grouped_pays(dtype: torch.dtype, batch: int, queries: int) -> bool:
+    """Whether a CPU attention call of `batch` requests with `queries` queries each runs grouped."""
+    return queries <= GROUPED_MAX_QUERIES.get(dtype, 0) and batch * queries >= GROUPED_MIN_ROWS.get(dtype, 1 << 30)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """masked_attention as two batched products per (request, KV head), its query heads' rows stacked:
+    q (B, Hq, Q, D), k/v (B, Hkv, K, D) contiguous, mask (B, 1, Q, K) bool -> (B, Hq, Q, D). Scores
+    come out of the product in q's dtype and the softmax runs in float32 (as Hugging Face's eager
+    attention); each query row keeps at least one key, so no row is all -inf."""
+    batch, heads, queries, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = torch.matmul(q.reshape(batch, kv_heads, group * queries, dim), k.transpose(-1, -2))  # (B, Hkv, G*Q, K)
+    scores = scores.float().mul_(scale).view(batch, kv_heads, group, queries, keys)
+    scores.masked_fill_(~mask.view(batch, 1, 1, queries, keys), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype).view(batch, kv_heads, group * queries, keys)
+    return torch.matmul(probs, v).view(batch, heads, queries, dim)
 
 
 def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:

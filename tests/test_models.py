@@ -18,10 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from bench.random_models import make_eagle, make_eagle3, make_llama
 
-from models.attention import AttentionMetadata, KVPool, masked_attention
+from models.attention import AttentionMetadata, KVPool, grouped_attention, grouped_pays, masked_attention
 from models.build import ModelSource, build_draft, build_target, check_target
 from models.loader import CheckpointError, resolve_model
 from models.packed import PackedLinear, can_pack, pack_linears
@@ -315,13 +316,14 @@ def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
     torch.testing.assert_close(expanded, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("batch,q_len", [(3, 5), (16, 2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
-def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads):
-    """The bf16 CPU decode/verify attention (SDPA over the head-major pool's gather, so keys and
-    values arrive as (B, Hkv, K, D) views of a (Hkv, B, K, D) block) equals a plain fp32 softmax
-    over the same bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
+def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, q_len):
+    """The bf16 CPU decode/verify attention over the pool's (B, Hkv, K, D) gather, through SDPA (a
+    few requests) and grouped (16 requests of two queries), equals a plain fp32 softmax over the same
+    bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    b, q_len, k_len, d = 3, 5, 11, 16
+    b, k_len, d = batch, 11, 16
     q = torch.randn(b, heads, q_len, d, generator=g).bfloat16()
     k, v = (torch.randn(b, kv_heads, k_len, d, generator=g).bfloat16() for _ in range(2))
     mask = torch.rand(b, 1, q_len, k_len, generator=g) < 0.6
@@ -331,10 +333,27 @@ def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads):
     kv_of_head = torch.arange(heads) // (heads // kv_heads)
     scores = (q.float() @ k[:, kv_of_head].float().transpose(-1, -2)) * 0.25
     reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head].float()
-    pooled_k, pooled_v = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (k, v))  # head-major gather
-    got = masked_attention(q, pooled_k, pooled_v, mask, 0.25, expand_kv=False)  # (B, Hq, Q, D)
+    assert grouped_pays(torch.bfloat16, b, q_len) == (b == 16)
+    got = masked_attention(q, k, v, mask, 0.25, expand_kv=False)  # (B, Hq, Q, D)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
+def test_grouped_attention_equals_sdpa(heads, kv_heads):
+    """grouped_attention (a query head group's rows in one product per KV head) equals SDPA's
+    enable_gqa in fp32, padded query rows and garbage keys included."""
+    g = torch.Generator().manual_seed(heads * 7 + kv_heads)
+    b, q_len, k_len, d = 8, 3, 13, 16
+    q = torch.randn(b, heads, q_len, d, generator=g)
+    k, v = (torch.randn(b, kv_heads, k_len, d, generator=g) for _ in range(2))
+    mask = torch.rand(b, 1, q_len, k_len, generator=g) < 0.5
+    mask[..., 0] = True
+    mask[:, :, -1, 1:] = False  # a padded query row: one key
+    k[..., -1, :], v[..., -1, :] = GARBAGE, GARBAGE
+    mask[..., -1] = False
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, 0.25), want, rtol=1e-5, atol=1e-5)
 
 
 def test_ragged_batch_equals_requests_one_by_one(tiny_target):
@@ -374,6 +393,21 @@ def test_ragged_batch_on_every_config(pair):
     batched, _ = ours_forward(pair.ours, kv, batch)
     for b, req in enumerate(batch):
         assert_close(batched[b], hf_expected(pair.hf, req), what=f"request {b}")
+
+
+def test_a_decode_batch_attending_grouped_matches_transformers(tiny_target):
+    """Enough one-token decode rows that attention runs grouped (`grouped_pays`), over prefixes of
+    different lengths in shuffled slots: each request's logits equal transformers'."""
+    p = _load_pair(tiny_target)
+    slots, kv = Slots(seed=8), garbage_pool(p.ours, seed=8)
+    prefixes = [prefill_req(rand_tokens(3 + i % 7, seed=40 + i), slots) for i in range(16)]
+    for prefix in prefixes:
+        ours_forward(p.ours, kv, [prefix])
+    batch = [prefill_req(rand_tokens(1, seed=60 + i), slots, prefix=prefix) for i, prefix in enumerate(prefixes)]
+    assert grouped_pays(torch.float32, len(batch), 1)
+    batched, _ = ours_forward(p.ours, kv, batch)
+    for b, req in enumerate(batch):
+        assert_close(batched[b], hf_expected(p.hf, req), what=f"decode row {b}")
 
 
 def test_fresh_prefills_of_several_lengths_match_transformers(pair):
