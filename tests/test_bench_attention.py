@@ -1,0 +1,37 @@
+"""bench.attention: both measurements run on tiny shapes and record what the rule chooses."""
+
+import json
+
+import torch
+
+from bench import attention as bench_attention
+from models.attention import grouped_pays
+
+
+def test_kernel_and_forward_cells_record_both_ways_and_the_rule(tmp_path, tiny_target):
+    out = tmp_path / "attention.json"
+    result = bench_attention.main(["--dtypes", "float32", "--batches", "2,16", "--queries", "1,2", "--keys", "8",
+                                   "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--reps", "2",
+                                   "--rounds", "2", "--model", str(tiny_target), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    kernel, forward = result["kernel"], result["forward"]
+    assert [(c["batch"], c["queries"]) for c in kernel] == [(2, 1), (2, 2), (16, 1), (16, 2)]
+    assert [(c["batch"], c["queries"]) for c in forward] == [(2, 1), (2, 2), (16, 1), (16, 2)]
+    for c in kernel:
+        assert c["sdpa_us"] > 0 and c["grouped_us"] > 0
+        assert abs(c["ratio"] - c["grouped_us"] / c["sdpa_us"]) < 0.01
+    for c in kernel + forward:
+        assert c["rule"] == grouped_pays(torch.float32, c["batch"], c["queries"])
+    assert [c["rule"] for c in forward] == [False, False, True, False]
+    for c in forward:
+        assert c["sdpa_ms"] > 0 and c["rule_ms"] > 0
+    assert result["meta"]["grouped_min_rows"]["float32"] == 16
+
+
+def test_forward_rows_are_decode_rows_or_trees_over_their_keys():
+    rows = bench_attention._rows(3, 4, 5)
+    assert rows.num_requests == 3 and rows.num_tokens == 12
+    assert rows.positions.tolist()[:4] == [5, 6, 6, 6]  # a root, then its children one deeper
+    assert rows.trees[0].tolist() == [[True, False, False, False], [True, True, False, False],
+                                      [True, False, True, False], [True, False, False, True]]
+    assert set(rows.slots.tolist()).isdisjoint(rows.prefix.flatten().tolist())
