@@ -289,21 +289,24 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-# When `grouped_attention` beats SDPA on CPU: at least this many query rows (requests x queries) with
-# at most this many queries a request (decode rows, small verify trees, a draft level's beams), per
-# dtype. SDPA's CPU kernel runs a small product per (request, query head), a fixed cost that dominates
-# at a few queries over a few hundred keys; two batched products per (request, KV head) spread it over
-# the head group. The default model's whole target forward, grouped against SDPA (2 threads, AMX
-# Xeon; docs/benchmarks.md "Session 35"): bf16 0.72-0.91x at 32 requests of 1-4 queries and 0.82-0.98x
-# at 16 of 2-4 (150-600 keys), but 1.045x at 16 of one query over 150; fp32 0.93-0.97x at 16-64
-# requests of one query, 1.01-1.03x at two. Below these, or for longer queries, SDPA.
-GROUPED_MIN_ROWS = {torch.bfloat16: 32, torch.float32: 16}
-GROUPED_MAX_QUERIES = {torch.bfloat16: 4, torch.float32: 1}
+# Where `grouped_attention` beats SDPA on CPU, per dtype: (fewest query rows, i.e. requests x queries;
+# fewest and most queries a request). SDPA's CPU kernel runs a small product per (request, query head),
+# a fixed cost that dominates at a few queries over a few hundred keys; two batched products per
+# (request, KV head) spread it over the head group. Measured with `bench.attention` (SmolLM2's 9 query /
+# 3 KV heads, 2 threads, AMX Xeon; docs/benchmarks.md "Session 35"), grouped over SDPA, the whole target
+# forward: bf16 0.72-0.86x at 32-64 requests of 2 queries and 0.77-0.97x of 4 (128-512 keys), 0.82-0.98x
+# at 16 of 2-4, but 1.01-1.07x at 32-64 requests of one query over equal contexts (one query: 0.60-0.89x
+# in other runs over ragged ones; left to SDPA); fp32 0.96-1.00x at 16-64 requests of one query,
+# 0.98-1.07x at two or more (left to SDPA). Elsewhere, and for longer queries, SDPA.
+GROUPED_SHAPES = {torch.bfloat16: (32, 2, 4), torch.float32: (16, 1, 1)}
 
 
 def grouped_pays(dtype: torch.dtype, batch: int, queries: int) -> bool:
     """Whether a CPU attention call of `batch` requests with `queries` queries each runs grouped."""
-    return queries <= GROUPED_MAX_QUERIES.get(dtype, 0) and batch * queries >= GROUPED_MIN_ROWS.get(dtype, 1 << 30)
+    if dtype not in GROUPED_SHAPES:
+        return False
+    min_rows, fewest, most = GROUPED_SHAPES[dtype]
+    return fewest <= queries <= most and batch * queries >= min_rows
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

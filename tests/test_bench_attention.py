@@ -24,8 +24,9 @@ def test_kernel_and_forward_cells_record_both_ways_and_the_rule(tmp_path, tiny_t
         assert c["rule"] == grouped_pays(torch.float32, c["batch"], c["queries"])
     assert [c["rule"] for c in forward] == [False, False, True, False]
     for c in forward:
-        assert c["sdpa_ms"] > 0 and c["rule_ms"] > 0
-    assert result["meta"]["grouped_min_rows"]["float32"] == 16
+        assert c["sdpa_ms"] > 0 and c["grouped_ms"] > 0
+        assert abs(c["ratio"] - c["grouped_ms"] / c["sdpa_ms"]) < 0.01
+    assert result["meta"]["grouped_shapes"]["float32"] == [16, 1, 1]
 
 
 def test_forward_rows_are_decode_rows_or_trees_over_their_keys():
