@@ -266,8 +266,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     causal (Q == K, every key a new token). On CPU, SDPA, except where `grouped_pays`: many requests
     of a few queries each, whose KV heads' query rows then run stacked in two batched products
     (`grouped_attention`). Session 17 measured such products 7-13% dearer than SDPA over a strided
-    (head-major) gather at 1-32 requests; over a contiguous (B, Hkv, K, D) gather they are cheaper at
-    those shapes (docs/benchmarks.md, "Session 35").
+    (head-major) gather at 1-32 requests; over a contiguous (B, Hkv, K, D) gather they are cheaper
+    where `grouped_pays` (docs/benchmarks.md, "Session 35").
 
     expand_kv (the CUDA path): give every query head its own view of its KV head instead of
     SDPA's enable_gqa, and run SDPA's memory-efficient kernel. With a mask, enable_gqa falls back
@@ -292,12 +292,12 @@ _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Where `grouped_attention` beats SDPA on CPU, per dtype: (fewest query rows, i.e. requests x queries;
 # fewest and most queries a request). SDPA's CPU kernel runs a small product per (request, query head),
 # a fixed cost that dominates at a few queries over a few hundred keys; two batched products per
-# (request, KV head) spread it over the head group. Measured with `bench.attention` (SmolLM2's 9 query /
-# 3 KV heads, 2 threads, AMX Xeon; docs/benchmarks.md "Session 35"), grouped over SDPA, the whole target
-# forward: bf16 0.72-0.86x at 32-64 requests of 2 queries and 0.77-0.97x of 4 (128-512 keys), 0.82-0.98x
-# at 16 of 2-4, but 1.01-1.07x at 32-64 requests of one query over equal contexts (one query: 0.60-0.89x
-# in other runs over ragged ones; left to SDPA); fp32 0.96-1.00x at 16-64 requests of one query,
-# 0.98-1.07x at two or more (left to SDPA). Elsewhere, and for longer queries, SDPA.
+# (request, KV head) spread it over the head group. The default model's whole target forward, grouped
+# over SDPA (`bench.attention`, bench/results/attention_s35_forward.json: SmolLM2's 9 query / 3 KV heads,
+# 2 threads, AMX Xeon; docs/benchmarks.md "Session 35"): bf16 0.70-0.90x at 32-64 requests of 2 queries,
+# 0.80-0.93x of 4, 0.84-0.94x at 16 of 2-4 (128-512 keys); one query 0.93-1.04x at 32-64 requests over
+# equal contexts but 0.60-0.89x a call over ragged ones in another run, so left to SDPA; fp32 0.94-1.03x
+# at 16-64 requests of one query, 0.99-1.09x of two (left to SDPA). Elsewhere, and for longer queries, SDPA.
 GROUPED_SHAPES = {torch.bfloat16: (32, 2, 4), torch.float32: (16, 1, 1)}
 
 
