@@ -34,6 +34,10 @@ from models.registry import DEFAULT_MODEL
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "attention.json"
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _best_us(fn, reps: int, rounds: int = 3) -> float:
     """Fastest of `rounds` timings of `reps` calls, microseconds per call (after two warm-up calls)."""
     fn(), fn()
@@ -57,8 +61,9 @@ def kernel_cell(dtype: torch.dtype, batch: int, queries: int, keys: int, heads: 
     scale = dim ** -0.5
     sdpa = _best_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True), reps)
     grouped = _best_us(lambda: attention.grouped_attention(q, k, v, mask, scale), reps)
-    return {"dtype": str(dtype).removeprefix("torch."), "batch": batch, "queries": queries, "keys": keys,
-            "sdpa_us": round(sdpa, 1), "grouped_us": round(grouped, 1), "ratio": round(grouped / sdpa, 3),
+    sdpa, grouped = round(sdpa, 1), round(grouped, 1)  # the ratio of the figures recorded
+    return {"dtype": _name(dtype), "batch": batch, "queries": queries, "keys": keys,
+            "sdpa_us": sdpa, "grouped_us": grouped, "ratio": round(grouped / sdpa, 3),
             "rule": attention.grouped_pays(dtype, batch, queries)}
 
 
@@ -86,26 +91,32 @@ def forward_cells(model: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
     runner = TargetRunner(model, None, num_slots=slots, dtype=dtype)
     for k, v in zip(runner.kv.k, runner.kv.v):
         k.normal_(), v.normal_()
+    rows = {shape: _rows(*shape, vocab=runner.model.shape.vocab_size) for shape in shapes}
     rule = attention.grouped_pays
+
+    def forward(shape, grouped: bool) -> float:
+        attention.grouped_pays = lambda *_: grouped  # masked_attention looks it up
+        with torch.inference_mode():
+            start = time.perf_counter()
+            runner._run(rows[shape])
+        return time.perf_counter() - start
+
     times: dict[tuple, list[float]] = {}
     try:
+        for shape in shapes:  # warm: oneDNN primitives for each shape and path
+            forward(shape, True), forward(shape, False)
         for turn in range(rounds):
             for shape in shapes:
-                rows = _rows(*shape, vocab=runner.model.shape.vocab_size)
                 for grouped in ((True, False) if turn % 2 == 0 else (False, True)):
-                    attention.grouped_pays = lambda *_, grouped=grouped: grouped  # masked_attention looks it up
-                    with torch.inference_mode():
-                        runner._run(rows)  # warm: oneDNN primitives for this shape
-                        start = time.perf_counter()
-                        runner._run(rows)
-                    times.setdefault((shape, grouped), []).append(time.perf_counter() - start)
+                    times.setdefault((shape, grouped), []).append(forward(shape, grouped))
     finally:
         attention.grouped_pays = rule
     cells = []
     for batch, queries, keys in shapes:
-        grouped, sdpa = (statistics.median(times[((batch, queries, keys), flag)]) * 1e3 for flag in (True, False))
-        cells.append({"dtype": str(dtype).removeprefix("torch."), "batch": batch, "queries": queries, "keys": keys,
-                      "sdpa_ms": round(sdpa, 2), "grouped_ms": round(grouped, 2), "ratio": round(grouped / sdpa, 3),
+        grouped, sdpa = (round(1e3 * statistics.median(times[((batch, queries, keys), flag)]), 2)
+                         for flag in (True, False))
+        cells.append({"dtype": _name(dtype), "batch": batch, "queries": queries, "keys": keys,
+                      "sdpa_ms": sdpa, "grouped_ms": grouped, "ratio": round(grouped / sdpa, 3),
                       "rule": attention.grouped_pays(dtype, batch, queries)})
     return cells
 
@@ -172,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     result: dict = {"meta": {"threads": torch.get_num_threads(), "torch": torch.__version__,
                              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-                             "grouped_shapes": {str(k).removeprefix("torch."): list(v)
+                             "grouped_shapes": {_name(k): list(v)
                                                 for k, v in attention.GROUPED_SHAPES.items()},
                              "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                              "command": "python -m bench.attention " + shlex.join(sys.argv[1:] if argv is None else argv)}}
