@@ -210,7 +210,8 @@ class DecayedLinearFit:
 class StepCostModel:
     """Seconds of a decode step of B requests attending to C context tokens (summed over requests) that
     verifies n nodes per request in trees L draft levels deep (the trees the target really verified:
-    the draft's `min_path_prob` cuts unsure ones short), one decayed linear fit over every step taken:
+    the draft's `min_path_prob` cuts unsure ones short; a prompt-lookup branch deeper than the draft's
+    levels adds none, `TreeSizePolicy.drafted_levels`), one decayed linear fit over every step taken:
 
         cost = a + b B + c B n + d n C + D (e + f B) + g V B + h L C + j C  (+ catch-up(U))
 
@@ -467,8 +468,8 @@ class TreeSizePolicy:
         self.step = 0
         self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at
-        # Per chosen size: decayed sums of the verified trees' (nodes, depth) and their weight. The draft's
-        # `min_path_prob` cuts an unsure tree short, so a size costs what the trees it really runs cost.
+        # Per chosen size: decayed sums of the verified trees' (nodes, draft levels) and their weight. The
+        # draft's `min_path_prob` cuts an unsure tree short, so a size costs what the trees it really runs cost.
         self.shapes: dict[int, tuple[float, float, float]] = {}
         # Per load regime, the best size when last chosen; per batch regime, the steps to wait before
         # measuring a rival. A request's context crosses regimes as it decodes, so a wait per context regime
@@ -562,13 +563,21 @@ class TreeSizePolicy:
         """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
         return min(self.draft_depth, nodes - 1)
 
+    def drafted_levels(self, depth: int) -> int:
+        """Draft levels behind a verified tree `depth` deep: past the draft's own levels (`draft_levels`) a
+        tree reaches only along a prompt-lookup branch, which costs the draft no forward. Charged its
+        branch's depth (up to 5 where the draft runs 3 levels), the full tree of `make serve` was predicted
+        at 71 ms at two long requests in bf16 where it took ~55, and 4-node trees ran in 70% of the steps
+        at 0.95x the full tree's speed (docs/benchmarks.md, session 36)."""
+        return depth if not self.draft_levels else min(depth, self.draft_levels)
+
     def verified_shape(self, nodes: int) -> tuple[float, float]:
-        """(nodes, depth) a step choosing `nodes` is expected to verify: the decayed mean of its steps'
-        trees, or the uncut tree before any ran."""
+        """(nodes, draft levels) a step choosing `nodes` is expected to verify and draft: the decayed mean
+        of its steps' trees, or the uncut tree before any ran."""
         if nodes not in self.shapes:
-            return float(nodes), float(self.depth(nodes))
-        width, depth, weight = self.shapes[nodes]
-        return width / weight, depth / weight
+            return float(nodes), float(self.drafted_levels(self.depth(nodes)))
+        width, levels, weight = self.shapes[nodes]
+        return width / weight, levels / weight
 
     def step_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
         """Predicted seconds of a step choosing `nodes` per request (`verified_shape`) whose draft first
@@ -697,6 +706,7 @@ class TreeSizePolicy:
         `nodes`)."""
         depth = self.depth(nodes)
         width, verified_depth = verified if verified is not None else (nodes, depth)
+        levels = self.drafted_levels(verified_depth)
         if depth:
             for n in self.acceptance.observe(rids, nodes, depth, accepted, accepted_nodes):
                 self.evidence[n] = self.evidence.get(n, 0) + len(rids)
@@ -717,14 +727,14 @@ class TreeSizePolicy:
                 took = max(seconds - catch_up_s, 0.0) / self._fit_cost(nodes, len(rids), context_tokens)
                 took = min(max(took, 1.0 / CALIBRATION_BOUND), CALIBRATION_BOUND)
                 self.calibration[key] = (CALIBRATION_DECAY * ratio + took, CALIBRATION_DECAY * steps + 1.0)
-            self.costs.observe(width, verified_depth, len(rids), context_tokens, seconds, catch_up_s,
+            self.costs.observe(width, levels, len(rids), context_tokens, seconds, catch_up_s,
                                drafts=depth > 0, size=nodes)
             for k in self.measured:
                 self.measured[k] *= self.costs.fit.decay
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
         if depth:  # after the debug line above, which logs the prediction this step was chosen on
             w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))
-            self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + verified_depth, SHAPE_DECAY * weight + 1.0)
+            self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + levels, SHAPE_DECAY * weight + 1.0)
         self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.rates[: self.draft_depth]]
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
