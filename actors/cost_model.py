@@ -83,9 +83,12 @@ MAX_DRAFT_LAG = 2048
 # correct it there.
 CALIBRATION_DECAY = 0.8
 CALIBRATION_PRIOR_STEPS = 2.0
-# Most one step moves it: a pause (a collection, another process) makes one step take several times its
-# prediction, and the size should not be ruled out at that load for the next few steps.
-CALIBRATION_BOUND = 2.0
+# Most one step moves it, relative to the size's calibration there now: a pause (a collection, another
+# process) makes one step take ~2x its prediction, and a size whose calibration such a step raised ~12%
+# (bounded at 2x of the fit) stopped running there and kept the raised cost until a measuring step ran it
+# again: on the AVX2 machine a slow plain step handed 32-64 requests to 2-node trees that ran 0.95-0.96x
+# plain decoding (docs/benchmarks.md session 37). A real mismatch still moves it 1.25x a step.
+CALIBRATION_BOUND = 1.25
 # Decay of a size's verified-tree shape (`TreeSizePolicy.verified_shape`): the draft's confidence, which
 # cuts trees, changes with the requests, so a few steps' worth.
 SHAPE_DECAY = 0.9
@@ -583,9 +586,13 @@ class TreeSizePolicy:
         """Predicted seconds of a step choosing `nodes` per request (`verified_shape`) whose draft first
         catches up `catch_up` tokens: the fit's, scaled by what this size's steps at this load took over
         it (`CALIBRATION_DECAY`), and the catch-up's own."""
-        ratio, steps = self.calibration.get((nodes, *self._regime(batch, context_tokens)), (0.0, 0.0))
-        scale = (ratio + CALIBRATION_PRIOR_STEPS) / (steps + CALIBRATION_PRIOR_STEPS)
+        scale = self._calibration((nodes, *self._regime(batch, context_tokens)))
         return scale * self._fit_cost(nodes, batch, context_tokens) + self.costs.predict_catch_up(catch_up)
+
+    def _calibration(self, key: tuple[int, int, int]) -> float:
+        """What a size's steps at a load took over the fit's predictions (`CALIBRATION_DECAY`)."""
+        ratio, steps = self.calibration.get(key, (0.0, 0.0))
+        return (ratio + CALIBRATION_PRIOR_STEPS) / (steps + CALIBRATION_PRIOR_STEPS)
 
     def _fit_cost(self, nodes: int, batch: int, context_tokens: int) -> float:
         width, depth = self.verified_shape(nodes)
@@ -725,7 +732,8 @@ class TreeSizePolicy:
             if self.costs.samples(nodes) > 0:  # a fit that never saw this size predicts nothing to calibrate
                 ratio, steps = self.calibration.get(key, (0.0, 0.0))
                 took = max(seconds - catch_up_s, 0.0) / self._fit_cost(nodes, len(rids), context_tokens)
-                took = min(max(took, 1.0 / CALIBRATION_BOUND), CALIBRATION_BOUND)
+                now = self._calibration(key)
+                took = min(max(took, now / CALIBRATION_BOUND), now * CALIBRATION_BOUND)
                 self.calibration[key] = (CALIBRATION_DECAY * ratio + took, CALIBRATION_DECAY * steps + 1.0)
             self.costs.observe(width, levels, len(rids), context_tokens, seconds, catch_up_s,
                                drafts=depth > 0, size=nodes)
