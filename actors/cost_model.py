@@ -299,7 +299,9 @@ class AcceptanceModel:
       and 5-node trees ran ~40% of the steps, 3-5% slower than the full tree (docs/benchmarks.md,
       session 20);
     * per request, m_r: its accepted draft tokens over what the other two factors predicted, decayed,
-      from its drafting steps of any size, starting from agreement.
+      from its drafting steps of any size, starting from agreement; a step that drafts nothing for it
+      decays that evidence too (`fade`), so a level lowered by a few unlucky steps drifts back to
+      agreement while plain steps, which teach nothing of it, run.
 
     Expected accepted tokens of request r at size n reaching depth D: m_r g_n sum_{d<=D} prod_{j<=d} q_j.
     A request's level is learnt from whatever size it runs: with the per-request rates taught by
@@ -428,6 +430,16 @@ class AcceptanceModel:
             self.small_sums = self._counted(self.small_sums, self.decay, drafted_depth, accepted)
         self._set_rates()
         return taught
+
+    def fade(self, rids: list[int]) -> None:
+        """A step that drafted nothing for `rids` decays what their levels were learnt from, as a drafting
+        step would: their text moves on either way. Without it, a request at batch 1 whose drafts went
+        unaccepted for a few steps decoded plain for dozens of steps, through stretches its full
+        tree would have paid for (tests/test_cost_model.py, docs/benchmarks.md session 38)."""
+        for rid in rids:
+            if rid in self.request_sums:
+                seen, predicted = self.request_sums[rid]
+                self.request_sums[rid] = (self.request_decay * seen, self.request_decay * predicted)
 
     def forget(self, rid: int) -> None:
         self.request_sums.pop(rid, None)
@@ -717,6 +729,8 @@ class TreeSizePolicy:
         if depth:
             for n in self.acceptance.observe(rids, nodes, depth, accepted, accepted_nodes):
                 self.evidence[n] = self.evidence.get(n, 0) + len(rids)
+        else:
+            self.acceptance.fade(rids)
         catch_up = self.catch_up_tokens(rids, nodes)
         for rid in rids:  # a plain step's token waits; a drafting step extended over every waiting one
             lag = self.lag.get(rid, 0) + 1 if depth == 0 else 0

@@ -744,6 +744,36 @@ def test_one_request_at_a_time_gets_the_full_tree_after_a_poor_one():
     assert _adaptive_over_fixed(1, len(accept_p), _measured_bf16_batch1_step, accept, seeds=5) >= 0.96
 
 
+def _long_context_batch1_step(nodes: int, batch: int, catch_up: int) -> float:
+    """Step seconds of one request ~1.5k tokens into a long prompt, in the shape measured for `make serve`
+    in fp32 on the AVX2 machine (plain ~49 ms, a 3-node tree ~70, the 8-node tree ~87), 0.14 ms a
+    catch-up token."""
+    depth = min(3, nodes - 1)
+    return 0.047 + 0.0025 * nodes + (depth > 0) * 0.012 + 0.004 * max(depth - 1, 0) + 0.00014 * catch_up
+
+
+def test_a_request_whose_drafts_go_unaccepted_for_a_while_gets_trees_again():
+    """One request at a time whose text alternates between stretches the draft predicts (each depth
+    accepted with probability 0.8) and stretches it does not (0.15), ~20 steps each, as a summary
+    that quotes its document and then writes its own words: a few steps without an accepted draft
+    lowered the request's level until plain decoding won, and plain steps, which draft nothing, left
+    that level as it was, so the request decoded plain into the next stretch the full tree would have
+    paid for (adaptive / fixed full tree 0.92x; each step now fades what the level was learnt from,
+    drafting or not: 0.98x)."""
+    state = {"predictable": True}
+
+    def accept(rng, wave, nodes):
+        if rng.random() < 0.05:
+            state["predictable"] = not state["predictable"]
+        q = (0.8 if state["predictable"] else 0.15) * (1.0 if nodes == 8 else 0.5 + 0.05 * nodes)
+        accepted = 0
+        while accepted < min(3, nodes - 1) and rng.random() < q:
+            accepted += 1
+        return accepted
+
+    assert _adaptive_over_fixed(1, 8, _long_context_batch1_step, accept, seeds=6) >= 0.96
+
+
 def test_a_size_costs_what_the_trees_it_verifies_cost():
     """With `min_path_prob` the draft cuts an unsure tree short: choosing 8 nodes at batch 1 verified
     ~4-5 nodes two levels deep in real runs, and the policy, charging the uncut tree's cost, ran 3-node
