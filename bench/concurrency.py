@@ -23,7 +23,8 @@ config is loaded first in every dtype, and at each level they take turns, in an 
 other turn, so load from other processes and the machine's drift hit them alike: compare ratios within
 one run. `--interleave slices` (the default for local engines, closed arrival): every engine keeps its
 level in flight and they take turns `--slice-s` seconds at a time (at least `--min-slices` each, and until
-each has finished the level's prompts), timing the level's steady state only; `turns`: each config runs
+each has finished the level's prompts), timing the level's steady state only, each engine up to the same
+count of finished requests (`timed_requests`: the same prompts for all); `turns`: each config runs
 the level's prompts whole in its turn, `--repeats` rounds (the Ray backend, waves). The host's speed
 moves within seconds: identical engines read up to 11% apart over six ~7 s turns each and within 1.3%
 over twenty 1 s slices (docs/benchmarks.md, session 29). Output tokens must equal `none`'s in the same
@@ -128,14 +129,18 @@ class ClosedLoop:
         self.finished: dict[int, object] = {}  # submission index -> RequestOutput
         self.sizes = tree_sizes(engine)
         self.profile = StepProfile()
+        # The timed steps' running totals (wall s, CPU s, output tokens), and a copy of them at each request
+        # the timed steps finished (`run_slice`): where `_slices` cuts every engine at the same work.
+        self.timed = (0.0, 0.0, 0)
+        self.marks: list[tuple[float, float, int]] = []
         self._plan = None  # the step's plan, as the scheduler made it (`_planned`)
 
     def _planned(self, plan_fn):
         self._plan = plan_fn()
         return self._plan
 
-    def step(self) -> int:
-        """Fill the free places, run one engine step; the output tokens it produced."""
+    def step(self) -> tuple[int, int]:
+        """Fill the free places, run one engine step; the output tokens it produced, and the requests it finished."""
         while len(self.active) < self.level and (self.repeat or self.submitted < len(self.prompts)):
             i = self.submitted % len(self.prompts)
             self.active[self.submitted] = (self.scheduler.find(self.scheduler.add_request(self.prompts[i], self.params[i])), 0)
@@ -154,7 +159,7 @@ class ClosedLoop:
             else:
                 self.scheduler.plan = own
         seconds = time.perf_counter() - start
-        tokens = 0
+        tokens, done = 0, 0
         for i, (request, counted) in list(self.active.items()):
             tokens += len(request.output_ids) - counted
             if request.finish_reason is None:
@@ -162,11 +167,12 @@ class ClosedLoop:
                 continue
             out = self.finished[i] = request.output()
             del self.active[i]
+            done += 1
             if out.error:
                 raise RuntimeError(f"request failed: {out.error}")
         if self._plan is not None:
             self.profile.add(self._plan, seconds, tokens)
-        return tokens
+        return tokens, done
 
     def ramp_up(self) -> None:
         """Untimed steps until every place holds a decoding request (or the first one ends)."""
@@ -177,10 +183,16 @@ class ClosedLoop:
         self.profile = StepProfile()  # the steady state's steps only
 
     def run_slice(self, seconds: float) -> dict:
-        """Steps for at least `seconds`: their wall and CPU seconds, output tokens, requests finished so far."""
+        """Steps for at least `seconds`: their wall and CPU seconds, output tokens, requests finished so far
+        (the timed steps' `marks` get the running totals at each one they finish)."""
         start, cpu, tokens = time.perf_counter(), time.process_time(), 0
         while True:
-            tokens += self.step()
+            step_start, step_cpu = time.perf_counter(), time.process_time()
+            new, done = self.step()
+            tokens += new
+            wall, cpu_s, total = self.timed
+            self.timed = (wall + time.perf_counter() - step_start, cpu_s + time.process_time() - step_cpu, total + new)
+            self.marks.extend([self.timed] * done)
             if time.perf_counter() - start >= seconds:
                 break
         return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "tokens": tokens,
@@ -201,7 +213,7 @@ class ClosedLoop:
         while self.scheduler.has_unfinished():
             self.scheduler.step()
         outs = self.finished
-        return {"tokens": sum(o.num_output_tokens for o in outs.values()),
+        return {"marks": self.marks, "tokens": sum(o.num_output_tokens for o in outs.values()),
                 "steps": sum(o.num_verify_steps for o in outs.values()),
                 "token_ids": {i: list(o.token_ids) for i, o in outs.items()},
                 "tree_sizes": {k: n - self.sizes.get(k, 0) for k, n in after.items() if n > self.sizes.get(k, 0)},
@@ -383,7 +395,8 @@ def _slices(engines: dict, level: int, prompt_sets: dict, max_tokens: int | list
             min_slices: int) -> dict:
     """Every engine keeps a closed loop of `level` requests (`ClosedLoop`) and they take turns in slices of
     `slice_s` seconds (`turn_order`), at least `min_slices` each and until each has finished `requests`
-    requests. The host's speed moves within seconds (three identical `none` engines read 248-369 tokens/s
+    requests; each engine's totals stop at the request all of them finished last (`ClosedLoop.marks`), so
+    every engine is timed over the same prompts. The host's speed moves within seconds (three identical `none` engines read 248-369 tokens/s
     in turns of ~7 s each, 0.89-1.01x of each other over six turns; in 20 slices of 1 s, within 1.3%:
     docs/benchmarks.md, session 29), so many short alternations average it out where two long turns
     cannot. {(kind, dtype, name): totals (`_entry`)}."""
@@ -397,12 +410,19 @@ def _slices(engines: dict, level: int, prompt_sets: dict, max_tokens: int | list
             for key in turn_order(list(engines), turn):
                 timed[key].append(engines[key].call(run_slice, slice_s))
             turn += 1
+        closed = {key: engines[key].call(close_loop) for key in engines}
+        # Every engine counted up to its `cut`-th finished request (in submission order, prompts alike), not to
+        # the end of its last slice: a faster engine runs further down the prompt list, and where one prompt's
+        # prefill is seconds (long prompts), engines cut at different prompts read up to ~10% apart on the
+        # prefills they happened to time (docs/benchmarks.md, session 39).
+        cut = min(len(c["marks"]) for c in closed.values())
         for key, ts in timed.items():
-            closed = engines[key].call(close_loop)
-            totals[(kind, *key)] = {"tokens": sum(t["tokens"] for t in ts), "wall_s": sum(t["wall_s"] for t in ts),
-                                    "cpu_s": sum(t["cpu_s"] for t in ts), "finished_tokens": closed["tokens"],
-                                    "steps": closed["steps"], "tree_sizes": closed["tree_sizes"],
-                                    "token_ids": closed["token_ids"], "slices": len(ts), "profile": closed["profile"]}
+            c = closed[key]
+            wall, cpu, tokens = c["marks"][cut - 1] if cut else (sum(t["wall_s"] for t in ts),
+                                                             sum(t["cpu_s"] for t in ts), sum(t["tokens"] for t in ts))
+            totals[(kind, *key)] = {"tokens": tokens, "wall_s": wall, "cpu_s": cpu, "cut": cut,
+                                    "finished_tokens": c["tokens"], "steps": c["steps"], "tree_sizes": c["tree_sizes"],
+                                    "token_ids": c["token_ids"], "slices": len(ts), "profile": c["profile"]}
     return totals
 
 
@@ -418,7 +438,7 @@ def _entry(total: dict, reference: dict) -> dict:
              "acceptance_length": total["finished_tokens"] / max(1, total["steps"]),
              "mismatches": sum(ids[i] != ref[i] for i in ids.keys() & ref.keys())}
     return {**{k: round(v, 3) for k, v in entry.items()}, "requests": len(ids),
-            **({"slices": total["slices"]} if "slices" in total else {}),
+            **({"slices": total["slices"], "timed_requests": total["cut"]} if "slices" in total else {}),
             "tree_sizes": {str(k): n for k, n in sorted(total["tree_sizes"].items())},
             "step_profile": total["profile"].summary()}
 

@@ -163,6 +163,7 @@ def test_a_paused_closed_loop_keeps_its_level_in_flight_across_slices(tiny_targe
     engine.scheduler.step = counting_step
     concurrency.open_loop(engine, conversations, 3, 6)
     in_flight.clear()
+    before = len(concurrency._LOOPS[id(engine)].finished)  # finished in the (untimed) ramp-up
     slices = [concurrency.run_slice(engine, 0.01) for _ in range(8)]
     engine.scheduler.step = step
     closed = concurrency.close_loop(engine)
@@ -173,6 +174,10 @@ def test_a_paused_closed_loop_keeps_its_level_in_flight_across_slices(tiny_targe
     assert profile["mixed/1"]["prompt_tokens_per_step"] > 0 and profile["decode/1"]["prompt_tokens_per_step"] == 0
     _check_step_profile({"step_profile": profile, "tree_sizes": {str(k): n for k, n in closed["tree_sizes"].items()}})
     assert sum(s["tokens"] for s in slices) > 0 and slices[-1]["finished"] == len(closed["token_ids"]) > 5
+    # A running total (wall, CPU, tokens) at each request the slices finished: where engines are cut alike.
+    marks = closed["marks"]
+    assert len(marks) == len(closed["token_ids"]) - before and marks == sorted(marks) and len(set(marks)) > 1
+    assert marks[-1][0] <= sum(s["wall_s"] for s in slices) and marks[-1][2] <= sum(s["tokens"] for s in slices)
     assert not engine.scheduler.has_unfinished() and engine.scheduler.num_free_slots == free
     alone = [engine.chat([c], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].token_ids
              for c in conversations]
@@ -188,6 +193,7 @@ def test_sliced_levels_interleave_engines_in_processes(tiny_target, tmp_path):
     group = result["results"]["short-float32"]
     none, ngram = group["none"]["2"], group["ngram"]["2"]
     assert none["slices"] == ngram["slices"] >= 3 and min(none["requests"], ngram["requests"]) >= 4
+    assert none["timed_requests"] == ngram["timed_requests"] >= 3  # both timed over the same prompts
     assert ngram["mismatches"] == 0 and ngram["tokens_per_s"] > 0 and none["speedup"] == 1.0
     for entry in (none, ngram):  # the timed slices' steps, not the ramp-up's: as the tree sizes count them
         _check_step_profile(entry)
