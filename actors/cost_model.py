@@ -87,7 +87,11 @@ CALIBRATION_PRIOR_STEPS = 2.0
 # process) makes one step take ~2x its prediction, and a size whose calibration such a step raised ~12%
 # (bounded at 2x of the fit) stopped running there and kept the raised cost until a measuring step ran it
 # again: on the AVX2 machine a slow plain step handed 32-64 requests to 2-node trees that ran 0.95-0.96x
-# plain decoding (docs/benchmarks.md session 37). A real mismatch still moves it 1.25x a step.
+# plain decoding (docs/benchmarks.md session 37). A real mismatch still moves it 1.25x a step. The fit's
+# samples are bounded alike, around its prediction for a size it has seen (`StepCostModel.observe`): at one
+# long request the full tree is measured rarely, and one 193 ms step where 94 were predicted raised its
+# prediction to 145-180 ms for the next 130 steps, which ran plain or 2-node trees where the full tree took
+# ~100 ms (session 39).
 CALIBRATION_BOUND = 1.25
 # Decay of a size's verified-tree shape (`TreeSizePolicy.verified_shape`): the draft's confidence, which
 # cuts trees, changes with the requests, so a few steps' worth.
@@ -255,15 +259,24 @@ class StepCostModel:
                 max(depth - 1.0, 0.0) * batch, depth * context, context]
 
     def observe(self, nodes: float, depth: float, batch: int, context_tokens: int, seconds: float,
-                catch_up_s: float = 0.0, *, drafts: bool | None = None, size: int | None = None) -> None:
+                catch_up_s: float = 0.0, *, drafts: bool | None = None, size: int | None = None,
+                bounded: bool = True) -> None:
         """A step verified `nodes` per request in a tree `depth` deep in `seconds`, `catch_up_s` of them
         the draft's catch-up (`observe_catch_up` learns that part); `drafts`: whether the draft ran
         (default: depth > 0; a tree the draft's confidence cut to its root still paid the draft's
-        extend); `size`: the tree size chosen for it, whose steps `samples` counts (default `nodes`)."""
-        self.fit.observe(self._features(nodes, depth, batch, context_tokens, drafts), max(seconds - catch_up_s, 0.0))
+        extend); `size`: the tree size chosen for it, whose steps `samples` counts (default `nodes`).
+        `bounded`: once that size has been seen, the sample is held within `CALIBRATION_BOUND` of the fit's
+        prediction (a pause, a collection or another process, is not what the step costs); the start-up
+        probe's are not, whose shapes are chosen to teach what the fit cannot predict yet."""
+        x = self._features(nodes, depth, batch, context_tokens, drafts)
+        took = max(seconds - catch_up_s, 0.0)
+        key = int(nodes) if size is None else size
+        if bounded and self.counts.get(key, 0.0) > 0.0:
+            predicted = self.predict(nodes, depth, batch, context_tokens, drafts)
+            took = min(max(took, predicted / CALIBRATION_BOUND), predicted * CALIBRATION_BOUND)
+        self.fit.observe(x, took)
         for n in self.counts:
             self.counts[n] *= self.fit.decay
-        key = int(nodes) if size is None else size
         self.counts[key] = self.counts.get(key, 0.0) + 1.0
 
     def samples(self, size: int) -> float:
@@ -291,13 +304,15 @@ class AcceptanceModel:
       was, over all requests (learnt from full-tree steps);
     * per smaller tree size n, g_n: what it accepts relative to the full tree for the same request
       (fewer candidates per depth catch fewer target tokens), decayed over all requests, starting
-      from `untried_scale`, from its own steps (against m_r's prediction of the full tree) and from
-      every full-tree step: the full tree's nodes are ranked best first and the n-node tree is its
-      first n, so the accepted nodes below n are exactly what that tree would have accepted
-      (`DraftExtendInput.accepted_nodes`). From its own steps alone, g_n and m_r taught each other:
-      at two requests g_5 drifted to 1 while the 5-node tree accepted 10% less than the full one,
-      and 5-node trees ran ~40% of the steps, 3-5% slower than the full tree (docs/benchmarks.md,
-      session 20);
+      from `untried_scale`, learnt from every full-tree step: the full tree's nodes are ranked best
+      first and the n-node tree is its first n, so the accepted nodes below n are exactly what that
+      tree would have accepted (`DraftExtendInput.accepted_nodes`). Its own steps (against m_r's
+      prediction of the full tree) teach it only until full trees have measured it: they tell
+      m_r g_n, not either alone, and g_n and m_r taught each other. From its own steps alone, at two
+      requests g_5 drifted to 1 while the 5-node tree accepted 10% less than the full one, and 5-node
+      trees ran ~40% of the steps, 3-5% slower than the full tree (docs/benchmarks.md, session 20);
+      taught by both, at one request a good stretch of 4-5-node trees lifted their g_n to 1 within a
+      few steps, and they ran in about half the steps where the full tree paid (session 39);
     * per request, m_r: its accepted draft tokens over what the other two factors predicted, decayed,
       from its drafting steps of any size, starting from agreement; a step that drafts nothing for it
       decays that evidence too (`fade`), so a level lowered by a few unlucky steps drifts back to
@@ -331,9 +346,12 @@ class AcceptanceModel:
         # the same counts over smaller trees' steps: a floor under the prior (see `_rates`)
         self.small_sums = [(0.0, 0.0)] * max_depth
         self._set_rates()
-        # n -> decayed (accepted, predicted for the full tree): its own steps' accepted drafts against m_r q's
-        # prediction, and full-tree steps' accepted nodes below n against all they accepted
+        # n -> decayed (accepted, reached): full-tree steps' accepted nodes below n against all they accepted
+        # within its depth (what the n-node tree would have accepted: exact), and n -> decayed (accepted,
+        # predicted for the full tree): its own steps' accepted drafts against m_r q's prediction (see
+        # `size_factor` for which of the two g_n reads)
         self.size_sums: dict[int, tuple[float, float]] = {}
+        self.own_sums: dict[int, tuple[float, float]] = {}
         self.request_sums: dict[int, tuple[float, float]] = {}  # rid -> decayed (accepted, predicted by g_n q)
 
     def _rates(self) -> list[float]:
@@ -379,6 +397,9 @@ class AcceptanceModel:
         if nodes == self.full_size:
             return 1.0
         seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
+        if predicted < self.prior_tokens:  # few full trees yet: its own steps' evidence too
+            own_seen, own_predicted = self.own_sums.get(nodes, (0.0, 0.0))
+            seen, predicted = seen + own_seen, predicted + own_predicted
         return min(1.0, (seen + self.untried_scale * self.prior_tokens) / (predicted + self.prior_tokens))
 
     def multiplier(self, rid: int | None) -> float:
@@ -407,9 +428,9 @@ class AcceptanceModel:
         taught = [nodes]
         base, factor = self.full_tree(drafted_depth), self.size_factor(nodes)
         if nodes != self.full_size:
-            seen, predicted = self.size_sums.get(nodes, (0.0, 0.0))
+            seen, predicted = self.own_sums.get(nodes, (0.0, 0.0))
             levels = sum(self.multiplier(rid) for rid in rids) * base
-            self.size_sums[nodes] = (self.size_decay * seen + sum(accepted), self.size_decay * predicted + levels)
+            self.own_sums[nodes] = (self.size_decay * seen + sum(accepted), self.size_decay * predicted + levels)
         elif accepted_nodes is not None:
             taught += self.smaller
             paths = [[node for node in path if node > 0] for path in accepted_nodes]
@@ -750,7 +771,7 @@ class TreeSizePolicy:
                 took = min(max(took, now / CALIBRATION_BOUND), now * CALIBRATION_BOUND)
                 self.calibration[key] = (CALIBRATION_DECAY * ratio + took, CALIBRATION_DECAY * steps + 1.0)
             self.costs.observe(width, levels, len(rids), context_tokens, seconds, catch_up_s,
-                               drafts=depth > 0, size=nodes)
+                               drafts=depth > 0, size=nodes, bounded=self.forced is None)
             for k in self.measured:
                 self.measured[k] *= self.costs.fit.decay
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
