@@ -75,12 +75,14 @@ PLAIN_MARGIN = 0.03
 # in fp32 at this bound). Long enough for a 1-2k-token prompt's draft prefill to wait whole: at 128 it
 # ran at once, ~3% of a prefill-heavy load's time where no step drafted (docs/benchmarks.md).
 MAX_DRAFT_LAG = 2048
-# Per size and load regime, what its steps took over what the fit predicted for them, decayed by this
+# Per size and load regime, what its steps took over what the fit predicts for them now, decayed by this
 # each time one is timed there, from `CALIBRATION_PRIOR_STEPS` steps of agreement: a size's predicted
 # cost at that load is scaled by it (`TreeSizePolicy.step_cost`). The fit is linear in its features
 # and one fit for all loads; where the truth is not (a catch-up of 1084 waiting tokens predicted at
 # 618 ms took 885 ms on the AVX2 machine, docs/benchmarks.md session 26), the size's own recent steps
-# correct it there.
+# correct it there. Against the fit's predictions when they ran, the steps of a size run rarely kept a
+# ratio to a fit that had moved since (the other sizes' steps move it): at two short requests the full
+# tree, measured at 74 ms, was predicted at 85-92 ms and ran in 13 steps of 650 (session 39).
 CALIBRATION_DECAY = 0.8
 CALIBRATION_PRIOR_STEPS = 2.0
 # Most one step moves it, relative to the size's calibration there now: a pause (a collection, another
@@ -252,7 +254,7 @@ class StepCostModel:
         self.counts: dict[int, float] = {}  # decayed steps seen per tree size
 
     @staticmethod
-    def _features(nodes: float, depth: float, batch: int, context_tokens: int, drafts: bool | None) -> list[float]:
+    def features(nodes: float, depth: float, batch: int, context_tokens: int, drafts: bool | None) -> list[float]:
         context = context_tokens / _CONTEXT_UNIT
         d = float(depth > 0 if drafts is None else drafts)
         return [1.0, float(batch), batch * nodes, nodes * context, d, d * batch,
@@ -268,7 +270,7 @@ class StepCostModel:
         `bounded`: once that size has been seen, the sample is held within `CALIBRATION_BOUND` of the fit's
         prediction (a pause, a collection or another process, is not what the step costs); the start-up
         probe's are not, whose shapes are chosen to teach what the fit cannot predict yet."""
-        x = self._features(nodes, depth, batch, context_tokens, drafts)
+        x = self.features(nodes, depth, batch, context_tokens, drafts)
         took = max(seconds - catch_up_s, 0.0)
         key = int(nodes) if size is None else size
         if bounded and self.counts.get(key, 0.0) > 0.0:
@@ -290,7 +292,7 @@ class StepCostModel:
     def predict(self, nodes: float, depth: float, batch: int, context_tokens: int, drafts: bool | None = None) -> float:
         """Expected step seconds, catch-up aside (never below a microsecond: an extrapolated line can dip
         under 0)."""
-        return max(1e-6, self.fit.predict(self._features(nodes, depth, batch, context_tokens, drafts)))
+        return max(1e-6, self.fit.predict(self.features(nodes, depth, batch, context_tokens, drafts)))
 
     def predict_catch_up(self, tokens: int) -> float:
         """Expected seconds of catching up `tokens` waiting tokens (0 for none)."""
@@ -513,8 +515,9 @@ class TreeSizePolicy:
         # 16 measuring steps in ~500 (10 with the wait per batch regime).
         self.best_at: dict[tuple[int, int], int] = {}
         self.wait: dict[int, int] = {}
-        # (nodes, *regime) -> decayed (sum of took / predicted, steps) of timed decode steps (`CALIBRATION_DECAY`)
-        self.calibration: dict[tuple[int, int, int], tuple[float, float]] = {}
+        # (nodes, *regime) -> decayed (seconds taken, the fit's features, steps) summed over its timed decode
+        # steps (`CALIBRATION_DECAY`): the fit is linear, so it predicts their sum from the features' sum
+        self.calibration: dict[tuple[int, int, int], tuple[float, list[float], float]] = {}
         self.stats = AdaptiveStats()
 
     def end_probe(self) -> None:
@@ -623,13 +626,20 @@ class TreeSizePolicy:
         return scale * self._fit_cost(nodes, batch, context_tokens) + self.costs.predict_catch_up(catch_up)
 
     def _calibration(self, key: tuple[int, int, int]) -> float:
-        """What a size's steps at a load took over the fit's predictions (`CALIBRATION_DECAY`)."""
-        ratio, steps = self.calibration.get(key, (0.0, 0.0))
-        return (ratio + CALIBRATION_PRIOR_STEPS) / (steps + CALIBRATION_PRIOR_STEPS)
+        """What a size's steps at a load took over what the fit predicts for them now (`CALIBRATION_DECAY`)."""
+        if key not in self.calibration:
+            return 1.0
+        took, features, steps = self.calibration[key]
+        fitted = max(self.costs.fit.predict(features), 1e-9)  # (the decayed sum of their predictions)
+        prior = CALIBRATION_PRIOR_STEPS * fitted / steps
+        return (took + prior) / (fitted + prior)
+
+    def _fit_features(self, nodes: int, batch: int, context_tokens: int) -> list[float]:
+        width, depth = self.verified_shape(nodes)
+        return self.costs.features(width, depth, batch, context_tokens, drafts=self.depth(nodes) > 0)
 
     def _fit_cost(self, nodes: int, batch: int, context_tokens: int) -> float:
-        width, depth = self.verified_shape(nodes)
-        return self.costs.predict(width, depth, batch, context_tokens, drafts=self.depth(nodes) > 0)
+        return max(1e-6, self.costs.fit.predict(self._fit_features(nodes, batch, context_tokens)))
 
     @staticmethod
     def _regime(batch: int, context_tokens: int) -> tuple[int, int]:
@@ -765,11 +775,13 @@ class TreeSizePolicy:
                           catch_up, 1e3 * self.step_cost(nodes, len(rids), context_tokens, catch_up), 1e3 * seconds)
             key = (nodes, *self._regime(len(rids), context_tokens))
             if self.costs.samples(nodes) > 0:  # a fit that never saw this size predicts nothing to calibrate
-                ratio, steps = self.calibration.get(key, (0.0, 0.0))
-                took = max(seconds - catch_up_s, 0.0) / self._fit_cost(nodes, len(rids), context_tokens)
-                now = self._calibration(key)
-                took = min(max(took, now / CALIBRATION_BOUND), now * CALIBRATION_BOUND)
-                self.calibration[key] = (CALIBRATION_DECAY * ratio + took, CALIBRATION_DECAY * steps + 1.0)
+                x = self._fit_features(nodes, len(rids), context_tokens)
+                predicted = self._calibration(key) * self._fit_cost(nodes, len(rids), context_tokens)
+                took = min(max(seconds - catch_up_s, predicted / CALIBRATION_BOUND), predicted * CALIBRATION_BOUND)
+                sums, features, steps = self.calibration.get(key, (0.0, [0.0] * len(x), 0.0))
+                self.calibration[key] = (CALIBRATION_DECAY * sums + took,
+                                         [CALIBRATION_DECAY * f + xi for f, xi in zip(features, x)],
+                                         CALIBRATION_DECAY * steps + 1.0)
             self.costs.observe(width, levels, len(rids), context_tokens, seconds, catch_up_s,
                                drafts=depth > 0, size=nodes, bounded=self.forced is None)
             for k in self.measured:
