@@ -274,7 +274,7 @@ class StepCostModel:
         took = max(seconds - catch_up_s, 0.0)
         key = int(nodes) if size is None else size
         if bounded and self.counts.get(key, 0.0) > 0.0:
-            predicted = self.predict(nodes, depth, batch, context_tokens, drafts)
+            predicted = self.predict_features(x)
             took = min(max(took, predicted / CALIBRATION_BOUND), predicted * CALIBRATION_BOUND)
         self.fit.observe(x, took)
         for n in self.counts:
@@ -292,7 +292,11 @@ class StepCostModel:
     def predict(self, nodes: float, depth: float, batch: int, context_tokens: int, drafts: bool | None = None) -> float:
         """Expected step seconds, catch-up aside (never below a microsecond: an extrapolated line can dip
         under 0)."""
-        return max(1e-6, self.fit.predict(self.features(nodes, depth, batch, context_tokens, drafts)))
+        return self.predict_features(self.features(nodes, depth, batch, context_tokens, drafts))
+
+    def predict_features(self, x: list[float]) -> float:
+        """`predict` from a step's `features`."""
+        return max(1e-6, self.fit.predict(x))
 
     def predict_catch_up(self, tokens: int) -> float:
         """Expected seconds of catching up `tokens` waiting tokens (0 for none)."""
@@ -630,7 +634,7 @@ class TreeSizePolicy:
         if key not in self.calibration:
             return 1.0
         took, features, steps = self.calibration[key]
-        fitted = max(self.costs.fit.predict(features), 1e-9)  # (the decayed sum of their predictions)
+        fitted = self.costs.predict_features(features)  # the decayed sum of their predictions
         prior = CALIBRATION_PRIOR_STEPS * fitted / steps
         return (took + prior) / (fitted + prior)
 
@@ -639,7 +643,7 @@ class TreeSizePolicy:
         return self.costs.features(width, depth, batch, context_tokens, drafts=self.depth(nodes) > 0)
 
     def _fit_cost(self, nodes: int, batch: int, context_tokens: int) -> float:
-        return max(1e-6, self.costs.fit.predict(self._fit_features(nodes, batch, context_tokens)))
+        return self.costs.predict_features(self._fit_features(nodes, batch, context_tokens))
 
     @staticmethod
     def _regime(batch: int, context_tokens: int) -> tuple[int, int]:
