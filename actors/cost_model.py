@@ -780,7 +780,7 @@ class TreeSizePolicy:
             key = (nodes, *self._regime(len(rids), context_tokens))
             if self.costs.samples(nodes) > 0:  # a fit that never saw this size predicts nothing to calibrate
                 x = self._fit_features(nodes, len(rids), context_tokens)
-                predicted = self._calibration(key) * self._fit_cost(nodes, len(rids), context_tokens)
+                predicted = self._calibration(key) * self.costs.predict_features(x)
                 took = min(max(seconds - catch_up_s, predicted / CALIBRATION_BOUND), predicted * CALIBRATION_BOUND)
                 sums, features, steps = self.calibration.get(key, (0.0, [0.0] * len(x), 0.0))
                 self.calibration[key] = (CALIBRATION_DECAY * sums + took,
