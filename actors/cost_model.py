@@ -69,6 +69,9 @@ MAX_BACKOFF = 16
 # safe side (no draft work, no catch-up when drafting resumes): a fit off by a few percent in a
 # tree's favour would otherwise run trees that are slower than plain steps where the two are close.
 PLAIN_MARGIN = 0.03
+# How much more a smaller tree must promise than the largest allowed one (the full tree, or the user's cap)
+# to be chosen over it.
+FULL_MARGIN = 0.05
 # Most tokens a request's draft leaves waiting behind plain steps and deferred prompt chunks
 # (`actors.draft_runner`): at this many the drafter catches it up at once, which bounds the waiting
 # inputs' memory (a target hidden row each: 1728 floats for SmolLM2's EAGLE-3 head, ~14 MB a request
@@ -598,9 +601,23 @@ class TreeSizePolicy:
         return best, cost[best]
 
     @staticmethod
-    def _best(rate: dict[int, float]) -> int:
-        """The size with the most tokens per second, plain decoding favoured by `PLAIN_MARGIN`."""
-        return max(rate, key=lambda n: rate[n] * (1.0 + PLAIN_MARGIN if n == 1 else 1.0))
+    def _favour(n: int, other: int, largest: int) -> float:
+        """How much `n`'s rate is favoured when it is weighed against `other`'s: plain decoding by
+        `PLAIN_MARGIN` against any tree, the `largest` tree allowed by `FULL_MARGIN` against a smaller one."""
+        if n == 1:
+            return 1.0 + PLAIN_MARGIN
+        return 1.0 + FULL_MARGIN if n == largest and other not in (1, largest) else 1.0
+
+    @classmethod
+    def _best(cls, rate: dict[int, float]) -> int:
+        """The size with the most tokens per second: the best tree (the largest favoured against smaller
+        ones), unless plain decoding, favoured against it, does as well."""
+        trees = [n for n in rate if n > 1]
+        if not trees:
+            return 1
+        largest = max(trees)
+        best = max(trees, key=lambda n: rate[n] * cls._favour(n, 0, largest))
+        return 1 if 1 in rate and rate[1] * cls._favour(1, best, largest) >= rate[best] else best
 
     def depth(self, nodes: int) -> int:
         """Draft levels a tree of `nodes` can reach (a chain of n nodes has n - 1)."""
@@ -736,7 +753,8 @@ class TreeSizePolicy:
         batch = len(rids)
         # Its rate once running (no catch-up), against the bar it must clear to be chosen.
         steady = tokens[rival] / self.step_cost(rival, batch, context_tokens)
-        bar = rate[best] * ((1.0 + PLAIN_MARGIN) if best == 1 else (1.0 / (1.0 + PLAIN_MARGIN)) if rival == 1 else 1.0)
+        largest = max(rate)
+        bar = rate[best] * self._favour(best, rival, largest) / self._favour(rival, best, largest)
         mean = steady / bar
         now = self.uncertainty(rival, batch, context_tokens, tokens[rival])
         after = self.uncertainty(rival, batch, context_tokens, tokens[rival], more=1)

@@ -888,3 +888,15 @@ def test_a_step_with_no_requests_chooses_without_failing():
     for _ in range(4 * policy.explore_every):  # past the wait before a rival is measured
         assert policy.choose([], 0, 0.0) == 1
     assert policy.step == 0 and policy.stats.steps_by_size == {}
+
+
+@pytest.mark.parametrize("per_node,largest", [(0.0006, True), (0.0015, False)])
+def test_a_smaller_tree_displaces_the_full_one_only_by_a_clear_margin(per_node, largest):
+    """One request whose drafts are accepted two deep at every tree of 3 nodes or more: a 4-node tree and
+    the full one accept alike, and the full tree's four more rows make its step 6% dearer (per_node 0.6
+    ms: the 4-node tree predicted ~2% ahead) or 13% (1.5 ms). Within `FULL_MARGIN` the full tree holds
+    (without it: the 4-node tree); a clear gain still goes to the smaller tree."""
+    policy = _policy()
+    cost = lambda nodes, batch: 0.040 + per_node * nodes  # noqa: E731
+    chosen = _feed(policy, [0], 300, cost, lambda nodes: min(2, nodes - 1), steps=200)
+    assert chosen[-50:].count(8 if largest else 4) >= 47, {n: chosen[-50:].count(n) for n in set(chosen)}
