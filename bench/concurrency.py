@@ -79,8 +79,9 @@ MIN_SLICES = 16  # and at least this many slices each per level and prompt set
 
 class StepProfile:
     """Where a level's time went, step by step: per step kind and verified nodes per request ("decode/2",
-    "mixed/1", "prefill/0"), the steps, their share of the time, their median seconds, the prompt tokens
-    they carried and the output tokens per request in them. A config that loses to `none` at a level loses
+    "mixed/1", "prefill/0"), the steps, their share of the time, their median and mean seconds, the prompt tokens
+    they carried and the output tokens per request in them (median and mean: a size whose steps pause
+    now and then differ there). A config that loses to `none` at a level loses
     it somewhere in this table: in its decode steps (trees that do not pay), in its mixed steps (prompts
     riding in drafting steps, which a closed loop of equal lengths spreads over many steps once requests
     accept at different rates, where `none` prefills a whole wave at once), or in rare dear steps
@@ -106,6 +107,7 @@ class StepProfile:
         total = sum(r[0] for rows in self.steps.values() for r in rows) or 1.0
         return {key: {"steps": len(rows), "time_share": round(sum(r[0] for r in rows) / total, 4),
                       "median_ms": round(1e3 * statistics.median(r[0] for r in rows), 2),
+                      "mean_ms": round(1e3 * statistics.fmean(r[0] for r in rows), 2),
                       "prompt_tokens_per_step": round(sum(r[1] for r in rows) / len(rows), 1),
                       "tokens_per_request_step": round(sum(r[2] for r in rows) / max(1, sum(r[3] for r in rows)), 3)}
                 for key, rows in sorted(self.steps.items())}
