@@ -15,7 +15,9 @@ Per-step profile at `--profile-batches`: where one step's wall time goes (schedu
 executor call, each actor's compute measured inside it, commit), and CPU seconds per process
 per step, which shows a process that spins while it waits, and minor page faults per step (memory
 the allocator maps afresh each step). Coordination = executor wall time
-minus the actors' compute (in the local engine the executor is the compute).
+minus the actors' compute (in the local engine the executor is the compute). For the colocated
+placement, `hops` splits the coordination into the hop's phases (bench.hops: the scheduler's send, the
+actor's read, the hand-over to its compute thread, its write, the scheduler's wake-up and read).
 
 Levers (skipped by --quick), same engine in turns: step inputs as deltas vs packed whole vs Ray's
 pickler, and spinning vs sleeping channel reads.
@@ -36,6 +38,7 @@ from pathlib import Path
 import ray
 import torch
 
+from bench import hops
 from graphs import EngineConfig, SamplingParams, build_graph
 from graphs.config import OMP_WAIT_POLICIES
 from graphs.runtime import draft_cpus
@@ -141,6 +144,11 @@ class Probe:
             self.kinds = per_rank * (len(self.actors) // len(per_rank))  # actors(): per rank, target then draft
             infos = ray.get([a.__ray_call__.remote(_process_info) for a in [engine.scheduler, *self.actors]])
             self.processes = {"scheduler": infos[0], **{k: i for k, i in zip(self.kinds, infos[1:])}}
+            # The colocated placement's one hop per step, phase by phase (bench.hops), on rank 0.
+            self.hops = engine.config.colocated_draft
+            if self.hops:
+                ray.get([engine.scheduler.__ray_call__.remote(hops.install_scheduler),
+                         self.actors[0].__ray_call__.remote(hops.install_runner)])
         else:
             self.totals: dict = {}
             sched = engine.scheduler
@@ -149,6 +157,10 @@ class Probe:
             _add_timer(sched.executor, "execute", "execute", self.totals)
             _add_timer(sched, "commit", "commit", self.totals)
             self.processes = {"driver": {"pid": os.getpid(), "torch_threads": torch.get_num_threads()}}
+
+    def _hop_stamps(self) -> tuple[list, list]:
+        return tuple(ray.get([self.engine.scheduler.__ray_call__.remote(hops.take),
+                              self.actors[0].__ray_call__.remote(hops.take)]))
 
     def _totals(self) -> dict:
         if self.ray:
@@ -175,6 +187,9 @@ class Probe:
     def run(self, batch: int, max_tokens: int) -> dict:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self._totals(), self._compute()
+        hopping = self.ray and self.hops
+        if hopping:
+            self._hop_stamps()
         cpu0, faults0 = self._cpu(), self._faults()
         start = time.perf_counter()
         self.engine.chat(conversations(batch), params)
@@ -185,7 +200,8 @@ class Probe:
         ms = {key: 1e3 * totals.get(key, (0.0, 0))[0] / steps for key in TIMED}
         compute_ms = {k: 1e3 * v / steps for k, v in compute.items()} or {"in-process": ms["execute"]}
         coordination = ms["execute"] - sum(compute_ms.values())
-        return {"batch": batch, "steps": steps, "wall_s": wall, **{f"{k}_ms": v for k, v in ms.items()},
+        hop = hops.summary(hops.phases(*self._hop_stamps())) if hopping else None
+        return {**({"hops": hop} if hop else {}), "batch": batch, "steps": steps, "wall_s": wall, **{f"{k}_ms": v for k, v in ms.items()},
                 "compute_ms": compute_ms, "coordination_ms": coordination,
                 "coordination_fraction": coordination / ms["step"],
                 "cpu_ms_per_step": {k: 1e3 * (cpu1[k] - cpu0[k]) / steps for k in cpu0},
@@ -408,6 +424,10 @@ def summary(name: str, res: dict) -> str:
                          f"{p['coordination_ms']:.2f} = {100 * p['coordination_fraction']:.1f}%) commit "
                          f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}; "
                          f"minor faults/step {json.dumps({k: round(v) for k, v in p['minor_faults_per_step'].items()})}")
+            if p.get("hops"):
+                lines.append("      hops (median ms): " + ", ".join(f"{phase} {p['hops'][phase + '_ms']:.2f}"
+                                                           for phase in hops.PHASES if phase != "compute")
+                             + f"; coordination {p['hops']['coordination_ms']:.2f} over {p['hops']['steps']} steps")
     return "\n".join(lines)
 
 
