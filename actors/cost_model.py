@@ -70,7 +70,12 @@ MAX_BACKOFF = 16
 # tree's favour would otherwise run trees that are slower than plain steps where the two are close.
 PLAIN_MARGIN = 0.03
 # How much more a smaller tree must promise than the largest allowed one (the full tree, or the user's cap)
-# to be chosen over it.
+# to be chosen over it. The largest tree's steps measure every smaller tree's share exactly (their nodes are
+# its best ones), a smaller tree's steps only its own; where two sizes are predicted within a few percent the
+# estimates' noise picks, and at 1-2 requests smaller trees predicted a little ahead ran 5-8% behind the full
+# tree (docs/benchmarks.md, sessions 38-40). In the policy's simulation (tests/test_cost_model.py's
+# `_serve_waves`, 10 seeds) adaptive over the fixed full tree went 0.94x -> 0.97x at 2 requests, 0.93x ->
+# 0.96x at 4, the load-following cases unchanged.
 FULL_MARGIN = 0.05
 # Most tokens a request's draft leaves waiting behind plain steps and deferred prompt chunks
 # (`actors.draft_runner`): at this many the drafter catches it up at once, which bounds the waiting
@@ -616,7 +621,7 @@ class TreeSizePolicy:
         if not trees:
             return 1
         largest = max(trees)
-        best = max(trees, key=lambda n: rate[n] * cls._favour(n, 0, largest))
+        best = max(trees, key=lambda n: rate[n] * cls._favour(n, 0, largest))  # 0: weighed against a smaller tree
         return 1 if 1 in rate and rate[1] * cls._favour(1, best, largest) >= rate[best] else best
 
     def depth(self, nodes: int) -> int:
