@@ -200,8 +200,8 @@ class Probe:
         ms = {key: 1e3 * totals.get(key, (0.0, 0))[0] / steps for key in TIMED}
         compute_ms = {k: 1e3 * v / steps for k, v in compute.items()} or {"in-process": ms["execute"]}
         coordination = ms["execute"] - sum(compute_ms.values())
-        hop = hops.summary(hops.phases(*self._hop_stamps())) if hopping else None
-        return {**({"hops": hop} if hop else {}), "batch": batch, "steps": steps, "wall_s": wall, **{f"{k}_ms": v for k, v in ms.items()},
+        out = {"hops": hops.summary(hops.phases(*self._hop_stamps()))} if hopping else {}
+        return {**out, "batch": batch, "steps": steps, "wall_s": wall, **{f"{k}_ms": v for k, v in ms.items()},
                 "compute_ms": compute_ms, "coordination_ms": coordination,
                 "coordination_fraction": coordination / ms["step"],
                 "cpu_ms_per_step": {k: 1e3 * (cpu1[k] - cpu0[k]) / steps for k in cpu0},
@@ -424,7 +424,7 @@ def summary(name: str, res: dict) -> str:
                          f"{p['coordination_ms']:.2f} = {100 * p['coordination_fraction']:.1f}%) commit "
                          f"{p['commit_ms']:.2f}; CPU ms/step {json.dumps({k: round(v, 1) for k, v in p['cpu_ms_per_step'].items()})}; "
                          f"minor faults/step {json.dumps({k: round(v) for k, v in p['minor_faults_per_step'].items()})}")
-            if p.get("hops"):
+            if p.get("hops", {}).get("steps"):
                 lines.append("      hops (median ms): " + ", ".join(f"{phase} {p['hops'][phase + '_ms']:.2f}"
                                                            for phase in hops.PHASES if phase != "compute")
                              + f"; coordination {p['hops']['coordination_ms']:.2f} over {p['hops']['steps']} steps")
