@@ -95,18 +95,14 @@ def _first(events: list, name: str, start: float, end: float) -> float | None:
     return next((t for n, t in events if n == name and start <= t <= end), None)
 
 
-def _last(events: list, name: str, start: float, end: float) -> float | None:
-    return next((t for n, t in reversed(events) if n == name and start <= t <= end), None)
-
-
 def phases(scheduler: list, runner: list) -> list[dict]:
     """Per step that both sides stamped in full, the seconds of each of `PHASES`, and `coordination`: the
     step's wall time in the scheduler less the actor's compute. `scheduler` and `runner`: (name,
     perf_counter) stamps in time order. Steps are cut at the scheduler's "encode" stamps; a step without
     one of the stamps a phase needs (a step that failed, or the actor's calls outside the graph) is left
     out, as are all steps when the graph's reads spin (`graph_wait_sleep_us=0`: no doorbells). The two
-    processes run at once, so a phase's edges can cross by a few microseconds (the actor
-    may wake before the scheduler has stamped its write): such a phase counts 0."""
+    processes run at once, so a phase's edges can cross by a few microseconds (the actor may wake before
+    the scheduler has stamped its ring): such a phase counts 0."""
     steps, start = [], None
     for name, t in scheduler:
         if name == "encode":
@@ -134,8 +130,8 @@ def phases(scheduler: list, runner: list) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict:
-    """Median milliseconds of each phase over the steps, and of the step's coordination (every phase but
-    compute), with the steps counted."""
+    """Median milliseconds of each phase over the steps, and of the step's coordination (its wall time in
+    the scheduler less the actor's compute), with the steps counted."""
     if not rows:
         return {"steps": 0}
     out = {f"{p}_ms": 1e3 * statistics.median(r[p] for r in rows) for p in PHASES}
