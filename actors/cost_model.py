@@ -75,7 +75,8 @@ PLAIN_MARGIN = 0.03
 # estimates' noise picks, and at 1-2 requests smaller trees predicted a little ahead ran 5-8% behind the full
 # tree (docs/benchmarks.md, sessions 38-40). In the policy's simulation (tests/test_cost_model.py's
 # `_serve_waves`, 10 seeds) adaptive over the fixed full tree went 0.94x -> 0.97x at 2 requests, 0.93x ->
-# 0.96x at 4, the load-following cases unchanged.
+# 0.96x at 4, the load-following cases unchanged; in `bench.concurrency`'s 1-2-request cells the change was
+# within the runs' noise (session 40: short 2 and long 1 still 0.92-0.95x of the fixed tree).
 FULL_MARGIN = 0.05
 # Most tokens a request's draft leaves waiting behind plain steps and deferred prompt chunks
 # (`actors.draft_runner`): at this many the drafter catches it up at once, which bounds the waiting
