@@ -108,6 +108,7 @@ class StepProfile:
         return {key: {"steps": len(rows), "time_share": round(sum(r[0] for r in rows) / total, 4),
                       "median_ms": round(1e3 * statistics.median(r[0] for r in rows), 2),
                       "mean_ms": round(1e3 * statistics.fmean(r[0] for r in rows), 2),
+                      "requests_per_step": round(sum(r[3] for r in rows) / len(rows), 1),
                       "prompt_tokens_per_step": round(sum(r[1] for r in rows) / len(rows), 1),
                       "tokens_per_request_step": round(sum(r[2] for r in rows) / max(1, sum(r[3] for r in rows)), 3)}
                 for key, rows in sorted(self.steps.items())}
@@ -139,6 +140,11 @@ class ClosedLoop:
 
     def _planned(self, plan_fn):
         self._plan = plan_fn()
+        return self._plan
+
+    @property
+    def last_plan(self):
+        """The plan of the step last run, as the scheduler made it (None where it planned none)."""
         return self._plan
 
     def step(self) -> tuple[int, int]:
@@ -565,7 +571,10 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in args.dtypes:
         args.dtype = dtype
         for name in names:
-            cfg = dataclasses.replace(parse_config(name, args)[1], backend=args.backend)
+            # Every request of the largest level running at once: at the engine's default of 32, a level of 64
+            # ran 32 requests and queued the rest (sessions up to 41 read their "64" cells so).
+            cfg = dataclasses.replace(parse_config(name, args)[1], backend=args.backend,
+                                      max_running_requests=max(32, max(args.levels)))
             configs[(str(cfg.torch_dtype).removeprefix("torch."), name)] = cfg
     if args.backend == "ray":
         import ray

@@ -47,6 +47,17 @@ def test_concurrency_levels_cutoff_and_plot(tiny_target, tmp_path):
     assert not result["meta"]["engine_per_process"]
 
 
+def test_a_level_above_the_engines_default_batch_runs_whole(tiny_target):
+    """A level of 40 requests keeps 40 decoding at once: the engine's default `max_running_requests` (32)
+    ran such a level 32 at a time and queued the rest."""
+    result = concurrency.main(["--model", str(tiny_target), "--configs", "none", "--levels", "40", "--prompts", "short",
+                               "--dtypes", "float32", "--max-tokens", "4", "--repeats", "1", "--rounds", "1",
+                               "--prompts-per-level", "40", "--threads", "1", "--interleave", "turns",
+                               "--no-engine-processes", "--out", os.devnull])
+    profile = result["results"]["short-float32"]["none"]["40"]["step_profile"]
+    assert max(row["requests_per_step"] for key, row in profile.items() if key.startswith(("decode", "mixed"))) == 40.0
+
+
 def _check_step_profile(entry: dict) -> None:
     """The step profile covers the steps the tree sizes count: per size, its decode and mixed steps (a
     mixed step decodes the running batch at the size the policy chose), and its time shares sum to 1."""
