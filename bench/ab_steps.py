@@ -12,11 +12,10 @@ a config more than the reference (the first config)? Each config is built twice,
 B A: engines built earlier in a process step 1-4% slower, sessions 19 and 24); each engine keeps `level`
 requests in flight (`ClosedLoop`); then the engines take one step each in turn, in that same order, which
 reads alike both ways, so the host's drift over a round, as over the seconds of a run, lands on every
-config alike. Per config and step
-kind (`StepProfile`'s keys: "decode/1" is a plain decode step), over both of its engines: the steps, their
-median and mean ms, the mean requests a step and context a request, and the median's ratio to the
-reference's, which compares like with like only where those two match. Long `--max-tokens` keep the load steady
-(few prompts joining, so few mixed steps).
+config alike. Per config and step kind (`StepProfile`: "decode/1" is a plain decode step), over both of its
+engines: the steps, their median and mean ms, the mean requests a step and committed tokens a request, and
+the median's ratio to the reference's, which compares like with like only where those two match. Long
+`--max-tokens` keep the load steady (few prompts joining, so few mixed steps).
 """
 
 from __future__ import annotations
@@ -26,15 +25,13 @@ import dataclasses
 import datetime as _dt
 import json
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from bench.concurrency import PROMPT_SETS, ClosedLoop, prompt_set, warm_up
+from bench.concurrency import PROMPT_SETS, ClosedLoop, StepProfile, prompt_set, warm_up
 from bench.concurrency import parse_args as concurrency_args
 from bench.configs import kv_slots_for, parse_config
 from graphs.build import build_local
@@ -46,10 +43,10 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "ab_steps.json"
 
 def measure(configs: dict, conversations: list[list[dict]], level: int, steps: int, max_tokens: int,
             build: Callable = build_local) -> dict:
-    """{config: {step kind: {steps, median_ms, mean_ms, requests, context, ratio}}} over `steps` rounds of one
-    step per engine; `configs`: {name: EngineConfig}, the first the reference; `build(config)` makes a local
-    engine. `requests` and `context` are the kind's mean requests a step and committed tokens a request: a
-    step's cost grows with both, so a ratio compares like with like only where they match (engines that
+    """{config: {step kind: StepProfile's row (steps, median_ms, requests_per_step, context_per_request, ...) and
+    its median's `ratio` to the reference's}} over `steps` rounds of one step per engine; `configs`: {name:
+    EngineConfig}, the first the reference; `build(config)` makes a local engine. A step's cost grows with its
+    requests and their context, so a ratio compares like with like only where those match (engines that
     decode at different speeds reach different contexts in the same rounds)."""
     names = list(configs)
     loops = []
@@ -59,30 +56,15 @@ def measure(configs: dict, conversations: list[list[dict]], level: int, steps: i
         loops.append((name, ClosedLoop(engine, conversations, level, max_tokens)))
     for _, loop in loops:
         loop.ramp_up()  # untimed: every engine holds its level before the first timed step
-    rows: dict[str, dict[str, list[tuple[float, int, int]]]] = {name: {} for name in names}
     for _ in range(steps):
-        for name, loop in loops:  # A B B A: each config as early in the round as late
-            start = time.perf_counter()
+        for _, loop in loops:  # A B B A: each config as early in the round as late
             loop.step()
-            seconds = time.perf_counter() - start
-            plan = loop.last_plan
-            if plan is not None:
-                kind = f"{plan.kind}/{int(plan.meta.verify_slots.shape[1]) if plan.kind in ('decode', 'mixed') else 0}"
-                rows[name].setdefault(kind, []).append((seconds, len(plan.requests), int(plan.meta.seq_lens.sum())))
-    out = {name: {kind: _summary(r) for kind, r in sorted(kinds.items())} for name, kinds in rows.items()}
+    out = {name: StepProfile.combined(loop.profile for n, loop in loops if n == name).summary() for name in names}
     reference = out[names[0]]
     for kinds in out.values():
         for kind, row in kinds.items():
             row["ratio"] = round(row["median_ms"] / reference[kind]["median_ms"], 4) if kind in reference else None
     return out
-
-
-def _summary(rows: list[tuple[float, int, int]]) -> dict:
-    """A step kind's steps, median and mean ms, mean requests a step and committed tokens a request."""
-    requests = sum(r[1] for r in rows)
-    return {"steps": len(rows), "median_ms": round(1e3 * statistics.median(r[0] for r in rows), 2),
-            "mean_ms": round(1e3 * statistics.fmean(r[0] for r in rows), 2),
-            "requests": round(requests / len(rows), 1), "context": round(sum(r[2] for r in rows) / max(requests, 1), 1)}
 
 
 def plot(result: dict, path: Path) -> Path:
@@ -151,7 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
     for name, kinds in results.items():
         for kind, row in kinds.items():
             print(f"[ab_steps] {name:24s} {kind:10s} {row['steps']:4d} steps  median {row['median_ms']:8.2f} ms  "
-                  f"mean {row['mean_ms']:8.2f} ms  {row['requests']:5.1f} requests of {row['context']:7.1f} tokens  x{row['ratio'] if row['ratio'] is not None else float('nan'):.3f}",
+                  f"mean {row['mean_ms']:8.2f} ms  {row['requests_per_step']:5.1f} requests of {row['context_per_request']:7.1f} "
+                  f"tokens  x{row['ratio'] if row['ratio'] is not None else float('nan'):.3f}",
                   file=sys.stderr)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

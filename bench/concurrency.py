@@ -88,12 +88,14 @@ class StepProfile:
     (measuring a full tree, a catch-up): docs/benchmarks.md, session 34."""
 
     def __init__(self):
-        self.steps: dict[str, list[tuple[float, int, int, int]]] = {}  # key -> (seconds, prompt, tokens, requests)
+        # key -> (seconds, prompt, tokens, requests, context: the requests' committed tokens)
+        self.steps: dict[str, list[tuple[float, int, int, int, int]]] = {}
 
     def add(self, plan, seconds: float, tokens: int) -> None:
         nodes = int(plan.meta.verify_slots.shape[1]) if plan.kind in ("decode", "mixed") else 0
         prompt = int(plan.meta.prefill_lens.sum())
-        self.steps.setdefault(f"{plan.kind}/{nodes}", []).append((seconds, prompt, tokens, len(plan.requests)))
+        self.steps.setdefault(f"{plan.kind}/{nodes}", []).append(
+            (seconds, prompt, tokens, len(plan.requests), int(plan.meta.seq_lens.sum())))
 
     @classmethod
     def combined(cls, profiles) -> "StepProfile":
@@ -109,6 +111,7 @@ class StepProfile:
                       "median_ms": round(1e3 * statistics.median(r[0] for r in rows), 2),
                       "mean_ms": round(1e3 * statistics.fmean(r[0] for r in rows), 2),
                       "requests_per_step": round(sum(r[3] for r in rows) / len(rows), 1),
+                      "context_per_request": round(sum(r[4] for r in rows) / max(1, sum(r[3] for r in rows)), 1),
                       "prompt_tokens_per_step": round(sum(r[1] for r in rows) / len(rows), 1),
                       "tokens_per_request_step": round(sum(r[2] for r in rows) / max(1, sum(r[3] for r in rows)), 3)}
                 for key, rows in sorted(self.steps.items())}
@@ -140,11 +143,6 @@ class ClosedLoop:
 
     def _planned(self, plan_fn):
         self._plan = plan_fn()
-        return self._plan
-
-    @property
-    def last_plan(self):
-        """The plan of the step last run, as the scheduler made it (None where it planned none)."""
         return self._plan
 
     def step(self) -> tuple[int, int]:

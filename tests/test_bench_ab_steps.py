@@ -11,7 +11,7 @@ from bench import ab_steps
 
 def test_a_config_whose_steps_cost_more_reads_above_the_reference(tiny_target):
     """Each config is built twice, in mirrored order (A B B A); each engine holds the level and takes one step
-    per round, in that order; a config whose every step costs 30 ms more reads that much
+    per round, in that order; a config whose every step costs 100 ms more reads about that much
     above the reference in its plain decode steps, while an identical one reads about 1."""
     from graphs import EngineConfig
     from graphs.build import build_local
@@ -29,7 +29,7 @@ def test_a_config_whose_steps_cost_more_reads_above_the_reference(tiny_target):
         def timed_step():
             order.append(name)
             if name == "slow":
-                time.sleep(0.03)
+                time.sleep(0.1)
             return step()
 
         engine.scheduler.step = timed_step
@@ -44,11 +44,11 @@ def test_a_config_whose_steps_cost_more_reads_above_the_reference(tiny_target):
     plain = {name: rows["decode/1"] for name, rows in results.items()}
     assert {row["steps"] for row in plain.values()} == {12}  # two engines x six rounds, all plain decode steps
     # Where the steps ran: two requests each, at the same contexts (the same prompts, greedy, the same steps).
-    assert {row["requests"] for row in plain.values()} == {2.0}
-    assert len({row["context"] for row in plain.values()}) == 1 and plain["none"]["context"] > 2
+    assert {row["requests_per_step"] for row in plain.values()} == {2.0}
+    assert len({row["context_per_request"] for row in plain.values()}) == 1 and plain["none"]["context_per_request"] > 2
     assert plain["none"]["ratio"] == 1.0
     assert plain["same"]["ratio"] < plain["slow"]["ratio"]
-    assert plain["slow"]["median_ms"] - plain["none"]["median_ms"] == pytest.approx(30.0, abs=10.0)
+    assert plain["slow"]["median_ms"] - plain["none"]["median_ms"] > 60.0  # 100 ms, less what noise may add to none's
 
 
 def test_configs_and_counts_are_checked():
