@@ -570,7 +570,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.dtype = dtype
         for name in names:
             # Every request of the largest level running at once: at the engine's default of 32, a level of 64
-            # ran 32 requests and queued the rest (sessions up to 41 read their "64" cells so).
+            # ran 32 requests and queued the rest (sessions up to 40 read their "64" cells so).
             cfg = dataclasses.replace(parse_config(name, args)[1], backend=args.backend,
                                       max_running_requests=max(32, max(args.levels)))
             configs[(str(cfg.torch_dtype).removeprefix("torch."), name)] = cfg

@@ -12,7 +12,7 @@ from bench import ab_steps
 def test_a_config_whose_steps_cost_more_reads_above_the_reference(tiny_target):
     """Each config is built twice, in mirrored order (A B B A); each engine holds the level and takes one step
     per round, in that order; a config whose every step costs 100 ms more reads about that much
-    above the reference in its plain decode steps, while an identical one reads about 1."""
+    above the reference in its plain decode steps, an identical one below it."""
     from graphs import EngineConfig
     from graphs.build import build_local
 
