@@ -21,7 +21,6 @@ the median's ratio to the reference's, which compares like with like only where 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as _dt
 import json
 import shlex
@@ -31,12 +30,10 @@ from typing import Callable
 
 import torch
 
-from bench.concurrency import PROMPT_SETS, ClosedLoop, StepProfile, prompt_set, warm_up
+from bench.concurrency import PROMPT_SETS, ClosedLoop, StepProfile, level_kv_slots, prompt_set, warm_up, whole_level
 from bench.concurrency import parse_args as concurrency_args
-from bench.configs import kv_slots_for, parse_config
+from bench.configs import parse_config
 from graphs.build import build_local
-from graphs.chat_ids import encode_chat
-from models.build import ModelSource, load_tokenizer
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "ab_steps.json"
 
@@ -117,12 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine_args.dtype = engine_args.dtypes[0]
     conversations = prompt_set(args.prompts, 4 * args.level, engine_args.questions)
     if engine_args.kv_slots is None:  # every request of the level at once, in each engine's own pool
-        tokenizer = load_tokenizer(ModelSource.resolve(engine_args.model).folder)
-        engine_args.kv_slots = kv_slots_for([encode_chat(tokenizer, c, None) for c in conversations], args.level,
-                                            args.max_tokens)
-    # The whole level running at once (the engine's default runs 32 and queues the rest).
-    configs = {name: dataclasses.replace(parse_config(name, engine_args)[1], max_running_requests=max(32, args.level))
-               for name in args.configs}
+        engine_args.kv_slots = level_kv_slots(engine_args.model, conversations, args.level, args.max_tokens)
+    configs = {name: whole_level(parse_config(name, engine_args)[1], args.level) for name in args.configs}
     with torch.inference_mode():
         results = measure(configs, conversations, args.level, args.steps, args.max_tokens)
     result = {"meta": {"level": args.level, "steps": args.steps, "prompts": args.prompts, "dtype": args.dtype,

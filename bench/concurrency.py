@@ -552,6 +552,18 @@ def prompt_set(kind: str, count: int, questions: str) -> list[list[dict]]:
     return [conversations[i % len(conversations)] for i in range(count)]
 
 
+def level_kv_slots(model: str, conversations: list[list[dict]], level: int, max_tokens: int) -> int:
+    """KV slots for `level` requests of the longest of `conversations` (chat-encoded) at once."""
+    tokenizer = load_tokenizer(ModelSource.resolve(model).folder)
+    return kv_slots_for([encode_chat(tokenizer, c, None) for c in conversations], level, max_tokens)
+
+
+def whole_level(config, level: int):
+    """`config` running every request of a `level` at once: at the engine's default `max_running_requests` (32),
+    a level of 64 ran 32 requests and queued the rest (sessions up to 40 read their "64" cells so)."""
+    return dataclasses.replace(config, max_running_requests=max(config.max_running_requests, level))
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -562,17 +574,13 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_sets = {kind: prompt_set(kind, most, args.questions) for kind in args.prompts}
     lengths = request_lengths(args.max_tokens, args.length_spread, most)
     if args.kv_slots is None:  # every request of the largest level at once
-        tokenizer = load_tokenizer(ModelSource.resolve(args.model).folder)
-        ids = [encode_chat(tokenizer, c, None) for cs in prompt_sets.values() for c in cs]
-        args.kv_slots = kv_slots_for(ids, max(args.levels), max(lengths))
+        args.kv_slots = level_kv_slots(args.model, [c for cs in prompt_sets.values() for c in cs], max(args.levels),
+                                       max(lengths))
     configs = {}
     for dtype in args.dtypes:
         args.dtype = dtype
         for name in names:
-            # Every request of the largest level running at once: at the engine's default of 32, a level of 64
-            # ran 32 requests and queued the rest (sessions up to 40 read their "64" cells so).
-            cfg = dataclasses.replace(parse_config(name, args)[1], backend=args.backend,
-                                      max_running_requests=max(32, max(args.levels)))
+            cfg = whole_level(dataclasses.replace(parse_config(name, args)[1], backend=args.backend), max(args.levels))
             configs[(str(cfg.torch_dtype).removeprefix("torch."), name)] = cfg
     if args.backend == "ray":
         import ray
