@@ -14,6 +14,15 @@ weights once for up to 8 rows: on an AVX2-only 2-core CPU (AMD EPYC) packing too
 from 15.4 to 20.4 tokens/s at batch 1 and from 55 to 102 at batch 8, and a 4-token verify from
 118 to 59 ms (1.85x -> 1.24x one token; the same command, back to back).
 
+Where oneDNN has no bf16 product (an AVX2-only CPU: its bf16 reorder raises), a bf16 model's
+linears are packed widened: the weights upcast to fp32 once at load (exact), each product's bf16
+rows upcast on the way in and its fp32 sums rounded back to bf16 on the way out. That is the
+arithmetic of a native bf16 product (bf16 operands, fp32 accumulation, a bf16 result), at fp32's
+speed and twice bf16's weight memory. Plain bf16 `F.linear` there converts as it multiplies, and
+costs grow with the rows as compute does: on the AVX2 EPYC, one layer's five products (SmolLM2's
+shapes and its LM head) took 5.4 / 29.6 / 67.7 / 130.5 ms at 1 / 8 / 16 / 32 rows, widened 7.3 /
+11.5 / 17.0 / 25.1 (docs/benchmarks.md, session 42).
+
 Only the runners pack their models: packed weights serve forward passes, not training or
 `state_dict()`.
 
@@ -42,15 +51,21 @@ def _ops_available() -> bool:
         hasattr(mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"))
 
 
-def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """CPU with oneDNN: fp32 always, bf16 where oneDNN runs it (AVX512 BW/VL/DQ, AVX-NE-CONVERT or
-    AMX; on an AVX2-only CPU its bf16 reorder raises, so bf16 stays on plain `F.linear`). CUDA
-    stays on cuBLAS."""
+def product_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype | None:
+    """The dtype a `dtype` model's packed products run in on `device`, None where it is not packed.
+    CPU with oneDNN: fp32 as fp32; bf16 as bf16 where oneDNN runs it (AVX512 BW/VL/DQ, AVX-NE-CONVERT
+    or AMX), else widened to fp32 (see the module's docstring). CUDA stays on cuBLAS."""
     if torch.device(device).type != "cpu" or not _ops_available():
-        return False
+        return None
     if dtype == torch.float32:
-        return True
-    return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.float32
+    if dtype == torch.bfloat16:
+        return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return None
+
+
+def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    return product_dtype(dtype, device) is not None
 
 
 # Row counts up to this run unpadded: decode and verify sizes, where a product costs its weight
@@ -68,27 +83,31 @@ def padded_rows(rows: int) -> int:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W held in oneDNN's blocked layout; x (..., in) -> (..., out)."""
+    """y = x W^T + b with W held in oneDNN's blocked layout; x (..., in) -> (..., out) in x's dtype.
+    `product_dtype`: the dtype the product runs in (default: the linear's own), x and y converted
+    to and from it."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, product_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.product_dtype = product_dtype or linear.weight.dtype
         with torch.no_grad():
             # batch_size None: one layout for any number of rows (decode, verify and prefill).
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = None if linear.bias is None else linear.bias.detach()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.product_dtype), None)
+        self.bias = None if linear.bias is None else linear.bias.detach().to(self.product_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)  # (R, in)
+        flat = x.reshape(-1, self.in_features).to(self.product_dtype)  # (R, in)
         rows = flat.shape[0]
         padded = padded_rows(rows)
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])  # (padded, in)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")[:rows]
-        return out.view(*x.shape[:-1], self.out_features)
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"product_dtype={self.product_dtype}")
 
 
 def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device | str) -> int:
@@ -96,7 +115,8 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device | st
     `model` for a PackedLinear; returns how many were packed (0 when not packing).
 
     Call after the weights are loaded and moved: packed weights cannot be loaded or moved."""
-    if not can_pack(dtype, device):
+    product = product_dtype(dtype, device)
+    if product is None:
         return 0
     for module in model.modules():
         if isinstance(module, (Attention, MLP)):
@@ -104,5 +124,5 @@ def pack_linears(model: nn.Module, dtype: torch.dtype, device: torch.device | st
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        setattr(parent, name, PackedLinear(child, product))
     return len(targets)

@@ -25,13 +25,13 @@ from bench.random_models import make_eagle, make_eagle3, make_llama
 from models.attention import AttentionMetadata, KVPool, grouped_attention, grouped_pays, masked_attention
 from models.build import ModelSource, build_draft, build_target, check_target
 from models.loader import CheckpointError, resolve_model
-from models.packed import PackedLinear, can_pack, pack_linears
+from models.packed import PackedLinear, can_pack, pack_linears, product_dtype
 from models.registry import DEFAULT_MODEL, REGISTRY
 from spec import BatchMeta, DraftExtendInput, ShapeContractError, SpecAlgorithm, VerifyInput
 from spec.tree import ancestor_mask, depths
 
 FP32 = torch.float32
-# Dtypes the runners pack on this CPU (fp32 wherever oneDNN is; bf16 where it runs natively).
+# Dtypes the runners pack on this CPU (fp32 and bf16 wherever oneDNN is: bf16 natively or widened to fp32).
 PACKED_DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_pack(d, "cpu")]
 needs_packing = pytest.mark.skipif(not PACKED_DTYPES, reason="oneDNN linear ops unavailable")
 ATOL = 1e-4  # fp32 logits, ours vs transformers
@@ -1106,7 +1106,7 @@ def test_packed_linear_matches_linear(rows, bias, dtype):
     with torch.no_grad():
         expected = torch.nn.functional.linear(x.float(), linear.weight.float(),
                                               None if linear.bias is None else linear.bias.float())
-        got = PackedLinear(linear)(x)
+        got = PackedLinear(linear, product_dtype(dtype, "cpu"))(x)
     assert got.shape == (rows, 40) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, rtol=PACK_TOL[dtype], atol=PACK_TOL[dtype])
 
@@ -1151,15 +1151,35 @@ def test_packed_target_matches_unpacked(pair, dtype):
         assert_close(b.float(), a.float(), atol=tol * max(1.0, a.abs().max().item()), what="packed vs plain logits")
 
 
-def test_bf16_runner_without_native_bf16_serves_on_plain_linears(tiny_target, restore_threads, monkeypatch):
-    """On a CPU where oneDNN cannot run bf16 (AVX2 only) its weight reorder raises; the runner
-    must still load a bf16 model, on plain linears, and decode."""
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 9, 37])
+def test_widened_bf16_product_is_a_bf16_product(rows):
+    """Where oneDNN has no bf16 product, a bf16 linear packed widened computes what a native one
+    does: bf16 operands, fp32 sums, a bf16 result (its fp32 product rounded once)."""
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float()).bfloat16()
+        got = PackedLinear(linear, torch.float32)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 48)
+    # fp32 sums in another order round to the same bf16 but for a last bit at a rounding boundary
+    torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-6)
+
+
+def test_bf16_runner_without_native_bf16_packs_widened(tiny_target, restore_threads, monkeypatch):
+    """On a CPU where oneDNN cannot run bf16 (AVX2 only) its bf16 weight reorder raises; the runner
+    still loads a bf16 model, packs its linears widened to fp32 (on plain bf16 linears a product's
+    cost grew with its rows: a verify or a batch cost several times a decode row), keeps the model's
+    activations and KV in bf16, and decodes."""
     from actors.target_runner import TargetRunner
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert not can_pack(torch.bfloat16, "cpu")
+    assert product_dtype(torch.bfloat16, "cpu") == FP32
     runner = TargetRunner(str(tiny_target), num_slots=32, dtype="bfloat16", device="cpu", num_threads=1)
-    assert not any(isinstance(m, PackedLinear) for m in runner.model.modules())
+    linears = [m for m in runner.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
+    assert linears and all(isinstance(m, PackedLinear) and m.product_dtype == FP32 for m in linears)
+    assert runner.kv.k[0].dtype == torch.bfloat16
     prompt = rand_tokens(7, 21)
     ext = runner.forward_step(_meta([0], torch.zeros(1, 0, dtype=torch.long),
                                     prefill=(torch.tensor([prompt]), torch.arange(1, 8)[None])), VerifyInput.create_idle(1))
