@@ -18,10 +18,14 @@ Where oneDNN has no bf16 product (an AVX2-only CPU: its bf16 reorder raises), a 
 linears are packed widened: the weights upcast to fp32 once at load (exact), each product's bf16
 rows upcast on the way in and its fp32 sums rounded back to bf16 on the way out. That is the
 arithmetic of a native bf16 product (bf16 operands, fp32 accumulation, a bf16 result), at fp32's
-speed and twice bf16's weight memory. Plain bf16 `F.linear` there converts as it multiplies, and
-costs grow with the rows as compute does: on the AVX2 EPYC, one layer's five products (SmolLM2's
-shapes and its LM head) took 5.4 / 29.6 / 67.7 / 130.5 ms at 1 / 8 / 16 / 32 rows, widened 7.3 /
-11.5 / 17.0 / 25.1 (docs/benchmarks.md, session 42).
+speed. Plain bf16 `F.linear` there converts as it multiplies, and its cost grows with the rows as
+compute does: on the AVX2 EPYC, one layer's five products (SmolLM2's shapes and its LM head) took
+5.4 / 29.6 / 67.7 / 130.5 ms at 1 / 8 / 16 / 32 rows, widened 7.3 / 11.5 / 17.0 / 25.1
+(docs/benchmarks.md, session 42). At one row, where a product only reads its weights, the bf16
+weights' half-size read wins, so a single row stays on plain `F.linear` over the linear's own bf16
+weight: the widened layer holds both, three times bf16's weight memory (1.5x fp32's), for a batch-1
+decode 1.7x as fast as widened alone (21.9 against 12.6 tokens/s, slices of each in turn on one
+engine).
 
 Only the runners pack their models: packed weights serve forward passes, not training or
 `state_dict()`.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from models.layers import MLP, Attention
 
@@ -85,7 +90,8 @@ def padded_rows(rows: int) -> int:
 class PackedLinear(nn.Module):
     """y = x W^T + b with W held in oneDNN's blocked layout; x (..., in) -> (..., out) in x's dtype.
     `product_dtype`: the dtype the product runs in (default: the linear's own), x and y converted
-    to and from it."""
+    to and from it; where that widens the linear, a single row runs on its own weight instead (see
+    the module's docstring)."""
 
     def __init__(self, linear: nn.Linear, product_dtype: torch.dtype | None = None):
         super().__init__()
@@ -95,10 +101,17 @@ class PackedLinear(nn.Module):
             # batch_size None: one layout for any number of rows (decode, verify and prefill).
             self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach().to(self.product_dtype), None)
         self.bias = None if linear.bias is None else linear.bias.detach().to(self.product_dtype)
+        widened = self.product_dtype != linear.weight.dtype
+        # (out, in) and (out,) in the linear's dtype: a tied LM head's is the embedding's own storage
+        self.row_weight = linear.weight.detach() if widened else None
+        self.row_bias = linear.bias.detach() if widened and linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.product_dtype)  # (R, in)
+        flat = x.reshape(-1, self.in_features)  # (R, in)
         rows = flat.shape[0]
+        if rows == 1 and self.row_weight is not None:
+            return F.linear(x, self.row_weight, self.row_bias)
+        flat = flat.to(self.product_dtype)
         padded = padded_rows(rows)
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])  # (padded, in)

@@ -1167,6 +1167,21 @@ def test_widened_bf16_product_is_a_bf16_product(rows):
     torch.testing.assert_close(got, expected, rtol=2**-8, atol=1e-6)
 
 
+@needs_packing
+def test_widened_linear_reads_its_bf16_weight_for_one_row(monkeypatch):
+    """A single row (batch-1 decode) only reads the weights: a widened linear runs it on the bf16
+    weight, half the bytes of its fp32 one, and never calls oneDNN; two rows go to the packed product."""
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: calls.append(x.shape) or real(x, *a))
+    linear = torch.nn.Linear(64, 48, dtype=torch.bfloat16)
+    packed = PackedLinear(linear, torch.float32)
+    x = torch.randn(1, 1, 64, dtype=torch.bfloat16)  # (B, T, in): one row
+    with torch.no_grad():
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias)) and not calls
+        assert packed(torch.randn(2, 64, dtype=torch.bfloat16)).shape == (2, 48) and calls == [(2, 64)]
+
+
 def test_bf16_runner_without_native_bf16_packs_widened(tiny_target, restore_threads, monkeypatch):
     """On a CPU where oneDNN cannot run bf16 (AVX2 only) its bf16 weight reorder raises; the runner
     still loads a bf16 model, packs its linears widened to fp32 (on plain bf16 linears a product's
