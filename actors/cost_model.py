@@ -519,9 +519,10 @@ class TreeSizePolicy:
         self.step = 0
         self.evidence: dict[int, int] = {}  # request-steps drafted per tree size (its acceptance's evidence)
         self.explored = 0  # step a rival was last measured at
-        # Per chosen size: decayed sums of the verified trees' (nodes, draft levels) and their weight. The
-        # draft's `min_path_prob` cuts an unsure tree short, so a size costs what the trees it really runs cost.
-        self.shapes: dict[int, tuple[float, float, float]] = {}
+        # Per chosen size and batch regime: decayed sums of the verified trees' (nodes, draft levels) and their
+        # weight. The draft's `min_path_prob` cuts an unsure tree short, so a size costs what the trees it
+        # really runs cost (`verified_shape`).
+        self.shapes: dict[tuple[int, int], tuple[float, float, float]] = {}
         # Per load regime, the best size when last chosen; per batch regime, the steps to wait before
         # measuring a rival. A request's context crosses regimes as it decodes, so a wait per context regime
         # measured the rivals again in each one: at one request in bf16 on an AVX2 CPU, where no tree pays,
@@ -637,12 +638,17 @@ class TreeSizePolicy:
         at 0.95x the full tree's speed (docs/benchmarks.md, session 36)."""
         return depth if not self.draft_levels else min(depth, self.draft_levels)
 
-    def verified_shape(self, nodes: int) -> tuple[float, float]:
-        """(nodes, draft levels) a step choosing `nodes` is expected to verify and draft: the decayed mean
-        of its steps' trees, or the uncut tree before any ran."""
-        if nodes not in self.shapes:
+    def verified_shape(self, nodes: int, batch: int) -> tuple[float, float]:
+        """(nodes, draft levels) a step of `batch` requests choosing `nodes` is expected to verify and draft:
+        the decayed mean of its steps' trees at batch sizes within a factor of two, or the uncut tree before
+        any ran there. Per batch size because a step verifies its widest request's tree (the batch is
+        rectangular): one request's 8-node tree was cut to ~4 nodes, a batch of 32 nearly always holds a
+        request whose tree is whole, and 8-node steps at 32 requests, predicted from the shape learnt at one
+        request, took ~1000 ms where 823 were predicted (docs/benchmarks.md, session 43)."""
+        key = (nodes, self._regime(batch, 0)[0])
+        if key not in self.shapes:
             return float(nodes), float(self.drafted_levels(self.depth(nodes)))
-        width, levels, weight = self.shapes[nodes]
+        width, levels, weight = self.shapes[key]
         return width / weight, levels / weight
 
     def step_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
@@ -662,7 +668,7 @@ class TreeSizePolicy:
         return (took + prior) / (fitted + prior)
 
     def _fit_features(self, nodes: int, batch: int, context_tokens: int) -> list[float]:
-        width, depth = self.verified_shape(nodes)
+        width, depth = self.verified_shape(nodes, batch)
         return self.costs.features(width, depth, batch, context_tokens, drafts=self.depth(nodes) > 0)
 
     def _fit_cost(self, nodes: int, batch: int, context_tokens: int) -> float:
@@ -816,8 +822,9 @@ class TreeSizePolicy:
                 self.measured[k] *= self.costs.fit.decay
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
         if depth:  # after the debug line above, which logs the prediction this step was chosen on
-            w, d, weight = self.shapes.get(nodes, (0.0, 0.0, 0.0))
-            self.shapes[nodes] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + levels, SHAPE_DECAY * weight + 1.0)
+            shape = (nodes, self._regime(len(rids), 0)[0])
+            w, d, weight = self.shapes.get(shape, (0.0, 0.0, 0.0))
+            self.shapes[shape] = (SHAPE_DECAY * w + width, SHAPE_DECAY * d + levels, SHAPE_DECAY * weight + 1.0)
         self.stats.acceptance_by_depth = [round(q, 4) for q in self.acceptance.rates[: self.draft_depth]]
 
     def observe_catch_up(self, tokens: int, seconds: float) -> None:
