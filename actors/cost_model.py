@@ -640,16 +640,18 @@ class TreeSizePolicy:
 
     def verified_shape(self, nodes: int, batch: int) -> tuple[float, float]:
         """(nodes, draft levels) a step of `batch` requests choosing `nodes` is expected to verify and draft:
-        the decayed mean of its steps' trees at batch sizes within a factor of two, or the uncut tree before
-        any ran there. Per batch size because a step verifies its widest request's tree (the batch is
-        rectangular): one request's 8-node tree was cut to ~4 nodes, a batch of 32 nearly always holds a
-        request whose tree is whole, and 8-node steps at 32 requests, predicted from the shape learnt at one
-        request, took ~1000 ms where 823 were predicted (docs/benchmarks.md, session 43)."""
-        key = (nodes, self._regime(batch, 0)[0])
-        if key not in self.shapes:
-            return float(nodes), float(self.drafted_levels(self.depth(nodes)))
-        width, levels, weight = self.shapes[key]
-        return width / weight, levels / weight
+        the decayed mean of its steps' trees at batch sizes within a factor of two (else at the next smaller
+        ones: about as wide), or the uncut tree before any ran there. Per batch size because a step verifies
+        its widest request's tree (the batch is rectangular): one request's 8-node tree was cut to ~4 nodes,
+        a batch of 32 nearly always holds a request whose tree is whole, and 8-node steps at 32 requests,
+        predicted from the shape learnt at one request, took ~1000 ms where 823 were predicted
+        (docs/benchmarks.md, session 43)."""
+        regime = self._regime(batch, 0)[0]
+        for key in ((nodes, regime), (nodes, regime - 1)):
+            if key in self.shapes:
+                width, levels, weight = self.shapes[key]
+                return width / weight, levels / weight
+        return float(nodes), float(self.drafted_levels(self.depth(nodes)))
 
     def step_cost(self, nodes: int, batch: int, context_tokens: int, catch_up: int = 0) -> float:
         """Predicted seconds of a step choosing `nodes` per request (`verified_shape`) whose draft first

@@ -852,7 +852,7 @@ def test_a_batch_verifies_its_widest_requests_tree():
     8-node trees cut to 3 nodes say little of a step of 32 requests, where some request's tree is nearly
     always whole. Charged the shape learnt at one request, 8-node steps of 32 requests were predicted
     ~20% under what they took (session 43); they are predicted as uncut trees until steps of about
-    that many requests show how they are cut there."""
+    that many requests show how they are cut there. Two requests' widest tree is about one's."""
     def cost(width, depth, batch=1):
         return 0.030 + 0.010 * batch * width + 0.003 * batch * depth
 
@@ -860,6 +860,7 @@ def test_a_batch_verifies_its_widest_requests_tree():
     for _ in range(5):
         policy.observe([0], 64, 8, cost(3, 1), [1], (3, 1))
     assert policy.step_cost(8, 1, 64) == pytest.approx(cost(3, 1), rel=0.1)
+    assert policy.step_cost(8, 2, 128) == pytest.approx(cost(3, 1, 2), rel=0.1)
     batch = list(range(32))
     assert policy.step_cost(8, 32, 32 * 64) == pytest.approx(cost(8, 3, 32), rel=0.1)
     for _ in range(5):  # at 32 requests too, the widest tree cut to 5 nodes two levels deep
