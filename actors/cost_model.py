@@ -55,14 +55,6 @@ REQUEST_PRIOR_TOKENS = 4.0
 # Relative uncertainty of a size's predicted step cost in a load regime where it was never measured;
 # it shrinks as 1 / sqrt(1 + decayed steps measured there).
 UNCERTAINTY = 0.25
-# Decay of those measured steps, each step the engine takes: what a size's steps at a load taught lasts ~140
-# steps (half-life). Its calibration there keeps what they took against the fit's prediction now, so other
-# sizes' steps moving the shared fit do not age it; only the load itself can. Decayed as the fit is (0.97, a
-# half-life of ~23 steps), a rival measured at a load was as uncertain as never measured two dozen steps
-# later: waves of 64 prompts decoding plain measured a one-level tree at most wave starts, each first catching
-# its draft up over every prompt of the wave (126-379 ms on the AVX2 machine), 0.98x plain decoding in the
-# policy's simulation, 0.99x at 0.995 (docs/benchmarks.md, session 43).
-MEASURED_DECAY = 0.995
 # Relative uncertainty of what a tree size's drafts are accepted before any real request drafted with it
 # (the start-up probe's dummies teach costs only); it shrinks as 1 / sqrt(1 + request-steps of that size).
 ACCEPTANCE_UNCERTAINTY = 1.0
@@ -829,7 +821,7 @@ class TreeSizePolicy:
             self.costs.observe(width, levels, len(rids), context_tokens, seconds, catch_up_s,
                                drafts=depth > 0, size=nodes, bounded=self.forced is None)
             for k in self.measured:
-                self.measured[k] *= MEASURED_DECAY
+                self.measured[k] *= self.costs.fit.decay
             self.measured[key] = self.measured.get(key, 0.0) + 1.0
         if depth:  # after the debug line above, which logs the prediction this step was chosen on
             shape = (nodes, self._regime(len(rids), 0)[0])
