@@ -28,9 +28,9 @@ count of finished requests (`timed_requests`: the same prompts for all); `turns`
 the level's prompts whole in its turn, `--repeats` rounds (the Ray backend, waves). The host's speed
 moves within seconds: identical engines read up to 11% apart over six ~7 s turns each and within 1.3%
 over twenty 1 s slices (docs/benchmarks.md, session 29); on a noisier host, a second `none` engine in the
-same run (`--configs ...,none+fixed`: `none` again, in a process of its own) read 0.98-1.08x `none` over seven
-levels, and 1.45x at one where `none`'s own engine ran slow (session 44): name it beside the configs to
-read each cell against the run's own noise floor. Output tokens must equal `none`'s in the same
+same run (`--configs ...,none+fixed`: `none` again, in a process of its own) read 0.98-1.08x `none` at ten of
+twelve levels, and 1.45-1.47x at the two where `none`'s own engine ran slow (session 44): name it beside the
+configs to read each cell against the run's own noise floor. Output tokens must equal `none`'s in the same
 dtype (greedy speculation is lossless); differing requests (finished by both) are counted. Results are
 grouped "PROMPTS-DTYPE"; each entry also holds the decode steps per tree size the engine chose
 (`tree_sizes`), where a local engine's time went step by step (`step_profile`: per step kind and tree
