@@ -70,6 +70,14 @@ class _Bell:
                 pass
             self.rung = True
 
+    def remove(self) -> None:
+        """Close and remove the FIFO (its writers see EPIPE and drop it)."""
+        os.close(self.fd)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
 
 class _Ringer:
     """The writing side: rings the FIFO of every reader of a channel after each write.
@@ -104,6 +112,11 @@ class _Ringer:
                     raise
                 os.close(fd)  # its reader exited
                 self.fds.remove(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def remove_stale_bells() -> None:

@@ -6,7 +6,8 @@ its arguments per tensor): a BatchMeta of 28 tensors took 1-2.5 ms to serialize 
 deserialize, four times per step (scheduler -> actor -> scheduler), which was most of the
 actor graph's coordination. Here a batch travels as (its class's field layout, one bytes
 blob): one copy in, one copy out, and the tensors read back own their memory (the channel's
-shared buffer is reused by the next step, so nothing may point into it). The tensors are
+shared buffer is reused by the next step, so nothing may point into it). The same
+packing serves our own channel's pickles (`dumps`, actors.shm_channel). The tensors are
 joined by one numpy call and split back by one torch call per dtype: a step's four batches (~45
 tensors) pack and unpack in about half the time of a few torch calls per tensor
 (docs/benchmarks.md, session 31).
@@ -18,7 +19,10 @@ devices (CUDA) and plain values travel as Ray would send them.
 
 from __future__ import annotations
 
+import copyreg
+import io
 import math
+import pickle
 from dataclasses import fields
 from functools import partial
 
@@ -103,6 +107,23 @@ def unpack(cls, packed: tuple[tuple, bytes]):
     batch = cls.__new__(cls)
     batch.__dict__.update(zip(_field_names(cls), values))
     return batch
+
+
+def _reduce(batch):
+    return unpack, (type(batch), pack(batch))
+
+
+# The pickler's table for our own channel (actors.shm_channel): WIRE_TYPES go packed, as through Ray.
+_DISPATCH = {**copyreg.dispatch_table, **{cls: _reduce for cls in WIRE_TYPES}}
+
+
+def dumps(value) -> bytes:
+    """`value` pickled (protocol 5) with every WIRE_TYPES batch in it packed; `pickle.loads` reads it."""
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, protocol=5)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(value)
+    return out.getvalue()
 
 
 def register() -> None:

@@ -40,7 +40,7 @@ import torch
 
 from bench import hops
 from graphs import EngineConfig, SamplingParams, build_graph
-from graphs.config import OMP_WAIT_POLICIES
+from graphs.config import GRAPH_CHANNELS, OMP_WAIT_POLICIES
 from graphs.runtime import draft_cpus
 from serve.settings import DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION
 
@@ -76,8 +76,9 @@ def speculation(name: str, args) -> dict:
     raise SystemExit(f"--configs: unknown config {name!r} (known: {', '.join(CONFIGS + OTHER_CONFIGS)})")
 
 
-def ray_key(placement: str, policy: str = "default") -> str:
-    return f"ray/{placement}" + ("" if policy == "default" else f"/omp-{policy}")
+def ray_key(placement: str, policy: str = "default", channel: str = "shm") -> str:
+    return (f"ray/{placement}" + ("" if policy == "default" else f"/omp-{policy}")
+            + ("" if channel == "shm" else f"/{channel}-channel"))
 
 
 def variants(name: str, args) -> dict[str, EngineConfig]:
@@ -89,8 +90,10 @@ def variants(name: str, args) -> dict[str, EngineConfig]:
     out = {"local": local}
     for placement in args.placements:
         for policy in args.omp_wait_policies:
-            out[ray_key(placement, policy)] = EngineConfig(**base, backend="ray", draft_placement=placement, omp_wait_policy=policy,
-                                    target_num_cpus=args.cores - draft, draft_num_cpus=draft)
+            for channel in args.graph_channels:
+                out[ray_key(placement, policy, channel)] = EngineConfig(
+                    **base, backend="ray", draft_placement=placement, omp_wait_policy=policy, graph_channel=channel,
+                    target_num_cpus=args.cores - draft, draft_num_cpus=draft)
     return out
 
 
@@ -281,7 +284,7 @@ def wait_levers(args) -> dict:
     out = {}
     for placement in args.placements:
         for sleep_us in (0.0, EngineConfig.graph_wait_sleep_us):
-            cfg = dataclasses.replace(variants("eagle3-tree", args)[ray_key(placement, args.omp_wait_policies[0])], graph_wait_sleep_us=sleep_us)
+            cfg = dataclasses.replace(variants("eagle3-tree", args)[ray_key(placement, args.omp_wait_policies[0], args.graph_channels[0])], graph_wait_sleep_us=sleep_us)
             engine = build_graph(cfg)
             try:
                 engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
@@ -325,7 +328,7 @@ def transport_levers(args) -> dict:
     out = {}
     for name in ("eagle3-tree", "none"):
         for placement in args.placements:
-            engine = build_graph(variants(name, args)[ray_key(placement, args.omp_wait_policies[0])])
+            engine = build_graph(variants(name, args)[ray_key(placement, args.omp_wait_policies[0], args.graph_channels[0])])
             try:
                 engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
                 probe = Probe(engine)
@@ -369,6 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 2, help="cores each engine gets")
     parser.add_argument("--omp-wait-policies", default="default",
                         help="the Ray variants' EngineConfig.omp_wait_policy, comma-separated (each its own variant)")
+    parser.add_argument("--graph-channels", default="shm",
+                        help="the Ray variants' EngineConfig.graph_channel, comma-separated (each its own variant)")
     parser.add_argument("--no-levers", action="store_true", help="skip the lever comparisons (reads, transport)")
     parser.add_argument("--levers-only", action="store_true", help="only the lever comparisons")
     parser.add_argument("--quick", action="store_true", help="1 round, levels 1,16, 16 tokens, no lever comparison")
@@ -387,7 +392,12 @@ def main(argv: list[str] | None = None) -> dict:
     for p in args.omp_wait_policies:
         if p not in OMP_WAIT_POLICIES:
             raise SystemExit(f"--omp-wait-policies: unknown policy {p!r} (known: {', '.join(OMP_WAIT_POLICIES)})")
-    ray_variants = len(args.placements) * len(args.omp_wait_policies)  # alive at once, `--cores` CPUs each
+    args.graph_channels = args.graph_channels.split(",")
+    for c in args.graph_channels:
+        if c not in GRAPH_CHANNELS:
+            raise SystemExit(f"--graph-channels: unknown channel {c!r} (known: {', '.join(GRAPH_CHANNELS)})")
+    # alive at once, `--cores` CPUs each
+    ray_variants = len(args.placements) * len(args.omp_wait_policies) * len(args.graph_channels)
     ray.init(address="local", num_cpus=max(8, args.cores * (1 + ray_variants)), include_dashboard=False, log_to_driver=False)
     result = {"meta": {"model": args.model, "dtype": args.dtype, "max_tokens": args.max_tokens, "cores": args.cores, "rounds": args.rounds,
                        "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version(),

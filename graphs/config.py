@@ -12,6 +12,7 @@ from spec.algorithm import SpecAlgorithm
 
 BACKENDS = ("local", "ray")
 DRAFT_PLACEMENTS = ("colocated", "separate")
+GRAPH_CHANNELS = ("shm", "ray")
 PREFILL_ORDERS = ("shortest", "fcfs")
 # The runner actors' environment per `omp_wait_policy` (read by libgomp when torch loads).
 # "brief": spin ~0.1 ms (3,000 pause loops) before sleeping: long enough to catch the next
@@ -107,6 +108,10 @@ class EngineConfig:
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
     # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
     graph_wait_sleep_us: float = 500.0
+    # What carries the compiled graph's values between processes of one node: "shm", our own
+    # shared-memory slot woken by a doorbell (actors.shm_channel: ~0.4 ms less a hop than Ray's
+    # channel here), or "ray", Ray's shared-memory channel. Edges to another node always take Ray's.
+    graph_channel: str = "shm"
     # How the runner actors' OpenMP threads wait for each other between parallel regions (OMP_ENV,
     # set before torch loads): "default" (libgomp spins ~ms, then sleeps), "active" (spins),
     # "passive" (sleeps at once) or "brief" (spins ~0.1 ms). A thread spinning for a partner the OS
@@ -179,6 +184,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative number, got {getattr(self, name)!r}")
         if self.omp_wait_policy not in OMP_WAIT_POLICIES:
             raise ValueError(f"omp_wait_policy must be one of {OMP_WAIT_POLICIES}, got {self.omp_wait_policy!r}")
+        if self.graph_channel not in GRAPH_CHANNELS:
+            raise ValueError(f"graph_channel must be one of {GRAPH_CHANNELS}, got {self.graph_channel!r}")
         if self.draft_placement is not None and self.draft_placement not in DRAFT_PLACEMENTS:
             raise ValueError(f"draft_placement must be one of {DRAFT_PLACEMENTS} or None, got {self.draft_placement!r}")
         if self.draft_placement == "colocated" and (self.draft_num_gpus or self.draft_resources):

@@ -6,7 +6,9 @@ Per rank: draft.propose -> target.forward_step -> draft.extend, or one call of t
 actor that hosts its drafter (draft placement "colocated": `draft` is None). The compiled executor
 builds this once as a Ray compiled graph (ray.dag + experimental_compile) and runs every
 node of every rank each step; ranks without work pass idle inputs from spec/. Its step inputs
-travel as deltas over what each rank's first actor already holds (actors.step_stream).
+travel as deltas over what each rank's first actor already holds (actors.step_stream), and with
+`channel="shm"` every edge that has one reader on the writer's node carries its values over our own
+channel (actors.shm_channel), the others over Ray's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ray.dag import InputNode, MultiOutputNode
 from ray.exceptions import RayTaskError
 
 from actors.draft_runner import NoDrafter
+from actors.shm_channel import ShmChannelType
 from actors.step_stream import StreamSender
 from spec.batch import placeholder_draft_input
 
@@ -29,16 +32,22 @@ class RankActors:
 
 
 class CompiledStepExecutor:
-    def __init__(self, ranks: list[RankActors], step_timeout_s: float):
+    def __init__(self, ranks: list[RankActors], step_timeout_s: float, channel: str = "shm"):
+        def hinted(node):
+            if channel == "shm":
+                node.type_hint = ShmChannelType()
+            return node
+
         with InputNode() as inp:
             outputs = []
             for r, rank in enumerate(ranks):
+                step = hinted(inp[r])
                 if rank.draft is None:
-                    outputs.append(rank.target.step.bind(inp[r]))
+                    outputs.append(hinted(rank.target.step.bind(step)))
                     continue
-                meta_and_verify = rank.draft.propose.bind(inp[r])
-                ext = rank.target.forward_step.bind(meta_and_verify)
-                outputs.append(rank.draft.extend.bind(meta_and_verify, ext))
+                meta_and_verify = hinted(rank.draft.propose.bind(step))
+                ext = hinted(rank.target.forward_step.bind(meta_and_verify))
+                outputs.append(hinted(rank.draft.extend.bind(meta_and_verify, ext)))
             dag = MultiOutputNode(outputs)
         # Ray's default 10 s limits would turn a long prefill on a busy CPU into a "failure".
         self.compiled = dag.experimental_compile(_submit_timeout=step_timeout_s)

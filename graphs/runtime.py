@@ -140,7 +140,7 @@ class GraphRuntime:
 
     def _full_executor(self):
         if self.config.compiled_graph:
-            return CompiledStepExecutor(self.ranks, self.config.step_timeout_s)
+            return CompiledStepExecutor(self.ranks, self.config.step_timeout_s, self.config.graph_channel)
         return ActorCallExecutor(self.ranks)
 
     def actors(self) -> list:
