@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from actors import shm_channel
 from graphs import EngineConfig, SamplingParams, build_graph
 from graphs.config import OMP_ENV
 
@@ -41,24 +42,30 @@ def _ray_engine(target, algorithm=None, draft=None, **kw):
 OMP_POLICY = {"NGRAM": "passive", "STANDALONE": "brief"}  # the others run libgomp's default waits
 
 # Draft placement None is the default: colocated (no draft GPUs or resources asked for); "separate" is named.
-@pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff,placement", [
-    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, None),
-    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, "separate"),
-    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, None),
-    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, "separate"),
-    ("NGRAM", None, 2, 1, 4, None, None),
-    ("EAGLE3", "tiny_eagle3_shared", 2, 4, 8, 1, None),  # ranks with 2+ requests decode plainly
+# The graph's values cross processes over our own channel (graph_channel "shm", the default) or Ray's.
+@pytest.mark.parametrize("algorithm,draft,dp,topk,n,cutoff,placement,channel", [
+    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, None, "shm"),
+    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, None, "ray"),
+    ("EAGLE3", "tiny_eagle3_own", 2, 2, 5, None, "separate", "shm"),
+    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, None, "shm"),
+    ("STANDALONE", "tiny_standalone", 1, 1, 4, None, "separate", "ray"),
+    ("NGRAM", None, 2, 1, 4, None, None, "shm"),
+    ("EAGLE3", "tiny_eagle3_shared", 2, 4, 8, 1, None, "shm"),  # ranks with 2+ requests decode plainly
 ])
 def test_lossless_through_the_compiled_graph(request, tiny_target, reference, algorithm, draft, dp, topk, n, cutoff,
-                                             placement):
+                                             placement, channel):
     # No start-up probe: the cold policy measures the full tree and the plain step first, so both run.
     # A 6-token step budget prefills the longest prompt in chunks, in mixed steps with the decode
     # rows of the prompts prefilled first.
     engine = _ray_engine(tiny_target, algorithm, draft and request.getfixturevalue(draft), dp_size=dp,
                          eagle_topk=topk, num_draft_tokens=n, disable_by_batch_size=cutoff, draft_placement=placement,
-                         cost_probe=False, max_num_batched_tokens=6,
+                         cost_probe=False, max_num_batched_tokens=6, graph_channel=channel,
                          omp_wait_policy=OMP_POLICY.get(algorithm, "default"))
     try:
+        # The scheduler writes each rank's step input into a segment of its own channel (shm only).
+        pid = ray.get(engine.scheduler.__ray_call__.remote(lambda self: os.getpid()))
+        ours = [n for n in os.listdir(shm_channel.segment_dir()) if n.startswith(f"{shm_channel._PREFIX}{pid}-")]
+        assert len(ours) == (dp if channel == "shm" else 0)
         actors = engine.actors()
         assert len(actors) == dp * (1 if engine.config.colocated_draft else 2)
         # The runners' OpenMP waits are set in their environment, before torch loads.
