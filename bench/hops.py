@@ -5,14 +5,14 @@ Both processes stamp the same monotonic clock (`time.perf_counter`, CLOCK_MONOTO
 by every process of a machine) at the edges of each phase; `phases` lines the stamps up step by step:
 
     encode     the scheduler's StreamSender.encode (step inputs as deltas, actors.step_stream)
-    send       Ray serializes the message (actors.wire packs the batches) and writes the channel, until
-               the scheduler rings the actor's doorbell (actors.channel_wait)
+    send       the message is pickled (actors.wire packs the batches) and written to the channel (ours,
+               actors.shm_channel, or Ray's), until the scheduler rings the actor's doorbell (actors.channel_wait)
     deliver    until the actor's step method starts: its read wakes, reads and deserializes
     decode     the actor's StreamReceiver.decode
     hand-over  to the actor's compute thread (actors.compute_thread)
     compute    the runners' step (what `compute_ms` of bench.graph's profile sums)
     hand-back  back to Ray's thread, until the step returns
-    write      from the return: Ray's executor loop serializes the result and writes the channel, until
+    write      from the return: Ray's executor loop pickles the result and writes the channel, until
                the actor rings the scheduler's doorbell
     wake       until the scheduler's read wakes on its doorbell
     receive    the scheduler reads and deserializes the result, and CompiledDAGRef.get returns it
