@@ -205,7 +205,7 @@ def test_config_errors_fail_before_weights_load(monkeypatch, tiny_target, tiny_d
                                          ("verify_budget", 0), ("min_path_prob", 1.0), ("min_path_prob", -0.1),
                                          ("min_path_prob", "0.5"), ("adaptive_speculation", "yes"),
                                          ("draft_placement", "nearby"), ("draft_placement", "colocated"),
-                                         ("omp_wait_policy", "lazy")])
+                                         ("omp_wait_policy", "lazy"), ("graph_channel", "tcp")])
 def test_engine_config_validation_names_the_field(tiny_target, field, value):
     kwargs = {"model": str(tiny_target), "speculative_algorithm": "EAGLE3", "draft_model": "x", "eagle_topk": 2,
               "num_draft_tokens": 6, "draft_resources": {"draft_node": 1} if field == "draft_placement" else None,
