@@ -1,11 +1,12 @@
 """A compiled-graph channel of our own: one shared-memory slot between two processes of a node,
 the value pickled once, the reader woken by the writer's doorbell.
 
-Ray 2.60's shared-memory channel costs ~0.5 ms a direction on a 2-core VM even with nothing to
-compute (its serialization context, the core worker's plasma header protocol and its executor loop
-around them; docs/benchmarks.md session 40: send 0.3-0.5, deliver 0.45-0.6, write 0.55-0.7, receive
-0.5-0.7 ms a step), so the per-step hop of the actor graph could not come under 1 ms however small
-its messages. This channel keeps Ray's compiled graph (its schedule, executor loop, teardown and
+Ray 2.60's shared-memory channel put most of the actor graph's per-step coordination in its writes
+and reads (its serialization context and the core worker's object header protocol; docs/benchmarks.md
+session 40: send 0.3-0.5, deliver 0.45-0.6, write 0.55-0.7, receive 0.5-0.7 ms a step). Over this one,
+a compiled graph's round trip of 4 KB with nothing to compute takes 1.2-1.3 ms against 1.6-1.7, and
+the colocated engine's coordination 2.0-2.9 ms a step against 3.0-3.8 (session 45).
+This channel keeps Ray's compiled graph (its schedule, executor loop, teardown and
 error values) and replaces only what carries a value: `ShmChannelType` is a type hint that Ray's
 compiler asks to build the channel of an edge, and it builds this one where the edge has a single
 reader in another process on the writer's node (the step's input to the first actor of a rank, its
@@ -61,7 +62,7 @@ _HEADER = struct.Struct("<QQQQQ")  # written, read, closed, length, generation
 _WRITTEN, _READ, _CLOSED = 0, 8, 16
 _U64 = struct.Struct("<Q")
 _LENGTH_GENERATION = struct.Struct("<QQ")
-INITIAL_BYTES = 1 << 20  # a step's messages at batch 64 are ~100-300 KB; larger ones resize
+INITIAL_BYTES = 1 << 20  # a step's result at 16 requests is ~40 KB; a larger value moves to a larger file
 # The writer's wait for the reader to take the previous value: in the step graph the reader takes
 # it long before the next is written, so this is a guard, polled in naps that double to a cap.
 _WRITER_PAUSE_S, _WRITER_MAX_PAUSE_S = 20e-6, 1e-3

@@ -109,8 +109,9 @@ class EngineConfig:
     # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
     graph_wait_sleep_us: float = 500.0
     # What carries the compiled graph's values between processes of one node: "shm", our own
-    # shared-memory slot woken by a doorbell (actors.shm_channel: ~0.4 ms less a hop than Ray's
-    # channel here), or "ray", Ray's shared-memory channel. Edges to another node always take Ray's.
+    # shared-memory slot woken by a doorbell (actors.shm_channel: 0.5-1.6 ms less coordination a step
+    # than Ray's channel, docs/benchmarks.md session 45), or "ray", Ray's shared-memory channel. Edges to
+    # another node always take Ray's.
     graph_channel: str = "shm"
     # How the runner actors' OpenMP threads wait for each other between parallel regions (OMP_ENV,
     # set before torch loads): "default" (libgomp spins ~ms, then sleeps), "active" (spins),
