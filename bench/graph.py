@@ -278,13 +278,14 @@ def measure_config(name: str, args) -> dict:
 
 
 def wait_levers(args) -> dict:
-    """Spinning vs sleeping graph reads (EngineConfig.graph_wait_sleep_us), eagle3-tree, each
-    engine alone (an idle spinning engine would steal the others' cores): CPU seconds each
-    process burns in 2 s idle, and the step profile."""
+    """Spinning vs sleeping graph reads (EngineConfig.graph_wait_sleep_us, over Ray's channel: ours
+    always sleeps on its doorbell), eagle3-tree, each engine alone (an idle spinning engine would
+    steal the others' cores): CPU seconds each process burns in 2 s idle, and the step profile."""
     out = {}
     for placement in args.placements:
         for sleep_us in (0.0, EngineConfig.graph_wait_sleep_us):
-            cfg = dataclasses.replace(variants("eagle3-tree", args)[ray_key(placement, args.omp_wait_policies[0], args.graph_channels[0])], graph_wait_sleep_us=sleep_us)
+            cfg = dataclasses.replace(variants("eagle3-tree", args)[ray_key(placement, args.omp_wait_policies[0], args.graph_channels[0])],
+                                      graph_wait_sleep_us=sleep_us, graph_channel="ray")
             engine = build_graph(cfg)
             try:
                 engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
@@ -324,11 +325,13 @@ TRANSPORTS = {"deltas": (True, True), "packed": (True, False), "pickled": (False
 
 def transport_levers(args) -> dict:
     """Same engine, same run, in turns: step inputs as deltas (actors.step_stream), step batches
-    packed whole (actors.wire), and Ray's pickler. eagle3-tree and none, each placement."""
+    packed whole (actors.wire), and Ray's pickler. eagle3-tree and none, each placement, over Ray's channel."""
     out = {}
     for name in ("eagle3-tree", "none"):
         for placement in args.placements:
-            engine = build_graph(variants(name, args)[ray_key(placement, args.omp_wait_policies[0], args.graph_channels[0])])
+            # Over Ray's channel: the packing lever is whether Ray's serializer packs; ours always does.
+            cfg = variants(name, args)[ray_key(placement, args.omp_wait_policies[0], args.graph_channels[0])]
+            engine = build_graph(dataclasses.replace(cfg, graph_channel="ray"))
             try:
                 engine.chat(conversations(2), SamplingParams(max_tokens=8, temperature=0.0))  # warm up, compile
                 probe = Probe(engine)

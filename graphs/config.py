@@ -106,7 +106,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Ray 2.60's compiled-graph reads spin while they wait (ray#55128), stealing the cores the
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
-    # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait).
+    # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait). Reads of our
+    # own channel (`graph_channel="shm"`) always sleep on its doorbell.
     graph_wait_sleep_us: float = 500.0
     # What carries the compiled graph's values between processes of one node: "shm", our own
     # shared-memory slot woken by a doorbell (actors.shm_channel: 0.5-1.6 ms less coordination a step
