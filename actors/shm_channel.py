@@ -25,8 +25,9 @@ generation change. The header never moves.
 One slot, as Ray's single-buffer channel: the writer waits until the reader took the previous
 value (`read == written`), copies the pickle in, then publishes it by raising `written` (x86 keeps
 stores in order, so a reader that sees the new count sees the bytes; Python has no fence to ask for
-it, so other CPUs keep Ray's channel); the reader copies the bytes out, raises `read`, then unpickles. The reader sleeps on a doorbell (actors.channel_wait's named
-pipe) between looks; the writer rings it after publishing and after closing.
+it, so other CPUs keep Ray's channel); the reader copies the bytes out, raises `read`, then
+unpickles. The reader sleeps on a doorbell (actors.channel_wait's named pipe) between looks; the
+writer rings it after publishing and after closing.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ MIN_SHM_FREE_BYTES = 1 << 30
 _ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
 _PREFIX = "specgraph-chan-"  # then the writing process's pid, a dash, a unique id
 _HEADER = struct.Struct("<QQQQQ")  # written, read, closed, length, generation
-_WRITTEN, _READ, _CLOSED = 0, 8, 16
+_WRITTEN, _READ, _CLOSED, _LENGTH = 0, 8, 16, 24  # byte offsets of header fields written alone
 _U64 = struct.Struct("<Q")
-_LENGTH_GENERATION = struct.Struct("<QQ")
+_LENGTH_GENERATION = struct.Struct("<QQ")  # from _LENGTH
 INITIAL_BYTES = 1 << 20  # a step's result at 16 requests is ~40 KB; a larger value moves to a larger file
 # The writer's wait for the reader to take the previous value: in the step graph the reader takes
 # it long before the next is written, so this is a guard, polled in naps that double to a cap.
@@ -146,7 +147,7 @@ class ShmChannel(ChannelInterface):
                 os.unlink(_path(self.name, generation - 1))  # the reader keeps its mapping until it moves
             area, offset = self._area(generation)
         area[offset:offset + len(data)] = data
-        _LENGTH_GENERATION.pack_into(control, 24, len(data), generation)
+        _LENGTH_GENERATION.pack_into(control, _LENGTH, len(data), generation)
         _U64.pack_into(control, _WRITTEN, written + 1)  # publishes the value
         self._ring()
 

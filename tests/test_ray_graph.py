@@ -63,7 +63,8 @@ def test_lossless_through_the_compiled_graph(request, tiny_target, reference, al
     try:
         # The scheduler writes each rank's step input into a segment of its own channel (shm only).
         pid = ray.get(engine.scheduler.__ray_call__.remote(lambda self: os.getpid()))
-        ours = [n for n in os.listdir(shm_channel.segment_dir()) if n.startswith(f"{shm_channel._PREFIX}{pid}-")]
+        ours = [name for name in os.listdir(shm_channel.segment_dir())
+                if name.startswith(f"{shm_channel._PREFIX}{pid}-")]
         assert len(ours) == (dp if channel == "shm" else 0)
         actors = engine.actors()
         assert len(actors) == dp * (1 if engine.config.colocated_draft else 2)
