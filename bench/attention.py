@@ -64,7 +64,7 @@ def kernel_cell(dtype: torch.dtype, batch: int, queries: int, keys: int, heads: 
     sdpa, grouped = round(sdpa, 1), round(grouped, 1)  # the ratio of the figures recorded
     return {"dtype": _name(dtype), "batch": batch, "queries": queries, "keys": keys,
             "sdpa_us": sdpa, "grouped_us": grouped, "ratio": round(grouped / sdpa, 3),
-            "rule": attention.grouped_pays(dtype, batch, queries)}
+            "rule": attention.grouped_pays(dtype, batch, queries, keys)}
 
 
 def _rows(batch: int, queries: int, keys: int, vocab: int = 1000):
@@ -117,7 +117,7 @@ def forward_cells(model: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
                          for flag in (True, False))
         cells.append({"dtype": _name(dtype), "batch": batch, "queries": queries, "keys": keys,
                       "sdpa_ms": sdpa, "grouped_ms": grouped, "ratio": round(grouped / sdpa, 3),
-                      "rule": attention.grouped_pays(dtype, batch, queries)})
+                      "rule": attention.grouped_pays(dtype, batch, queries, keys)})
     return cells
 
 
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
                              "grouped_shapes": {_name(k): list(v)
                                                 for k, v in attention.GROUPED_SHAPES.items()},
+                             "bf16_sdpa_without_amx": attention.bf16_sdpa_without_amx(),
                              "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                              "command": "python -m bench.attention " + shlex.join(sys.argv[1:] if argv is None else argv)}}
     if "kernel" in args.mode:

@@ -278,7 +278,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     cheaper there."""
     causal = mask is None
     if not expand_kv:
-        if not causal and grouped_pays(q.dtype, q.shape[0], q.shape[2]):
+        if not causal and grouped_pays(q.dtype, q.shape[0], q.shape[2], k.shape[2]):
             return grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
     group = q.shape[1] // k.shape[1]
@@ -298,15 +298,44 @@ _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # 0.80-0.93x of 4, 0.84-0.94x at 16 of 2-4 (128-512 keys); one query 0.93-1.04x at 32-64 requests over
 # equal contexts but 0.60-0.89x a call over ragged ones in another run, so left to SDPA; fp32 0.94-1.03x
 # at 16-64 requests of one query, 0.99-1.09x of two (left to SDPA). Elsewhere, and for longer queries, SDPA.
+# bf16 on a CPU with AVX512-BF16 but no AMX follows `_grouped_pays_bf16_without_amx` instead.
 GROUPED_SHAPES = {torch.bfloat16: (32, 2, 4), torch.float32: (16, 1, 1)}
+# The most queries a request has in a decode or verify call (a tree's nodes): longer ones stay on SDPA.
+GROUPED_MAX_QUERIES = 16
 
 
-def grouped_pays(dtype: torch.dtype, batch: int, queries: int) -> bool:
-    """Whether a CPU attention call of `batch` requests with `queries` queries each runs grouped."""
+@functools.cache
+def bf16_sdpa_without_amx() -> bool:
+    """Whether this CPU runs bf16 natively (AVX512-BF16) but without AMX, where SDPA's bf16 CPU kernel
+    has no fast product: on an AMD Zen 5 (2 threads, SmolLM2's heads) one request's decode call over
+    512 keys took 231 us in bf16 against 32 us in fp32 (docs/benchmarks.md, "Session 46")."""
+    return torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+
+
+def grouped_pays(dtype: torch.dtype, batch: int, queries: int, keys: int) -> bool:
+    """Whether a CPU attention call of `batch` requests with `queries` queries each over `keys` keys
+    (the longest request's) runs grouped."""
+    if dtype == torch.bfloat16 and bf16_sdpa_without_amx():
+        return _grouped_pays_bf16_without_amx(batch, queries, keys)
     if dtype not in GROUPED_SHAPES:
         return False
     min_rows, fewest, most = GROUPED_SHAPES[dtype]
     return fewest <= queries <= most and batch * queries >= min_rows
+
+
+def _grouped_pays_bf16_without_amx(batch: int, queries: int, keys: int) -> bool:
+    """bf16 without AMX (`bench.attention --mode kernel`, AMD Zen 5, 2 threads, SmolLM2's 9 / 3 heads,
+    bench/results/attention_s46_kernel.json). SDPA's time grows with the keys it reads, ~0.45 us a key
+    for one request's query, where grouped costs ~50 us at least: one query a request runs grouped from
+    ~128 keys in all (0.07-0.40x SDPA's time at 4-64 requests, 0.51-0.89x at one request over 128-384 keys,
+    2.1-2.2x over 32-64). Several queries a request (verify) run grouped from 4 requests (0.26-0.98x, but
+    1.48x at 64 requests of 16 queries over 1024 keys) or 512 keys; a few requests over a short context
+    stay on SDPA (1.2-1.9x at one request of 2-16 queries over 128 keys)."""
+    if queries > GROUPED_MAX_QUERIES:
+        return False
+    if queries == 1:
+        return batch * keys >= 128
+    return batch >= 4 or keys >= 512
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

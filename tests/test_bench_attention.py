@@ -21,7 +21,7 @@ def test_kernel_and_forward_cells_record_both_ways_and_the_rule(tmp_path, tiny_t
         assert c["sdpa_us"] > 0 and c["grouped_us"] > 0
         assert abs(c["ratio"] - c["grouped_us"] / c["sdpa_us"]) < 0.01
     for c in kernel + forward:
-        assert c["rule"] == grouped_pays(torch.float32, c["batch"], c["queries"])
+        assert c["rule"] == grouped_pays(torch.float32, c["batch"], c["queries"], c["keys"])
     assert [c["rule"] for c in forward] == [False, False, True, False]
     for c in forward:
         assert c["sdpa_ms"] > 0 and c["grouped_ms"] > 0

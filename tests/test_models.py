@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from bench.random_models import make_eagle, make_eagle3, make_llama
 
+from models import attention
 from models.attention import AttentionMetadata, KVPool, grouped_attention, grouped_pays, masked_attention
 from models.build import ModelSource, build_draft, build_target, check_target
 from models.loader import CheckpointError, resolve_model
@@ -316,12 +317,13 @@ def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
     torch.testing.assert_close(expanded, reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("batch,q_len", [(3, 5), (16, 2)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
-def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, q_len):
-    """The bf16 CPU decode/verify attention over the pool's (B, Hkv, K, D) gather, through SDPA (a
-    few requests) and grouped (16 requests of two queries), equals a plain fp32 softmax over the same
-    bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
+def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, q_len, grouped, monkeypatch):
+    """The bf16 CPU decode/verify attention over the pool's (B, Hkv, K, D) gather, through SDPA and
+    grouped (each forced in turn, whatever `grouped_pays` picks on this CPU), equals a plain fp32
+    softmax over the same bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, k_len, d = batch, 11, 16
     q = torch.randn(b, heads, q_len, d, generator=g).bfloat16()
@@ -333,10 +335,30 @@ def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, 
     kv_of_head = torch.arange(heads) // (heads // kv_heads)
     scores = (q.float() @ k[:, kv_of_head].float().transpose(-1, -2)) * 0.25
     reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head].float()
-    assert grouped_pays(torch.bfloat16, b, q_len) == (b == 16)
+    monkeypatch.setattr(attention, "grouped_pays", lambda *_: grouped)
+    calls, real = [], attention.grouped_attention
+    monkeypatch.setattr(attention, "grouped_attention", lambda *args: calls.append(1) or real(*args))
     got = masked_attention(q, k, v, mask, 0.25, expand_kv=False)  # (B, Hq, Q, D)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
+    assert len(calls) == int(grouped)
+
+
+@pytest.mark.parametrize("without_amx", [False, True])
+def test_bf16_attention_runs_grouped_where_sdpa_is_slow(without_amx, monkeypatch):
+    """Without AMX, SDPA's bf16 CPU kernel is several times slower than grouped at decode shapes, so
+    bf16 decode rows run grouped but over the shortest contexts; a few requests of several queries
+    over a short context stay on SDPA, and so do longer queries (prefill chunks). With AMX the table's shapes hold."""
+    monkeypatch.setattr(attention, "bf16_sdpa_without_amx", lambda: without_amx)
+    assert grouped_pays(torch.bfloat16, 1, 1, 200) == without_amx
+    assert grouped_pays(torch.bfloat16, 16, 1, 100) == without_amx
+    assert not grouped_pays(torch.bfloat16, 1, 1, 60)
+    assert grouped_pays(torch.bfloat16, 4, 8, 100) == without_amx
+    assert grouped_pays(torch.bfloat16, 1, 8, 1000) == without_amx
+    assert not grouped_pays(torch.bfloat16, 1, 8, 100)
+    assert not grouped_pays(torch.bfloat16, 64, attention.GROUPED_MAX_QUERIES + 1, 100)
+    assert grouped_pays(torch.bfloat16, 32, 2, 100)
+    assert grouped_pays(torch.float32, 16, 1, 100) and not grouped_pays(torch.float32, 4, 1, 100)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
@@ -404,7 +426,7 @@ def test_a_decode_batch_attending_grouped_matches_transformers(tiny_target):
     for prefix in prefixes:
         ours_forward(p.ours, kv, [prefix])
     batch = [prefill_req(rand_tokens(1, seed=60 + i), slots, prefix=prefix) for i, prefix in enumerate(prefixes)]
-    assert grouped_pays(torch.float32, len(batch), 1)
+    assert grouped_pays(torch.float32, len(batch), 1, 10)
     batched, _ = ours_forward(p.ours, kv, batch)
     for b, req in enumerate(batch):
         assert_close(batched[b], hf_expected(p.hf, req), what=f"decode row {b}")
