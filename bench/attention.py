@@ -1,5 +1,6 @@
 """CPU attention: SDPA against `grouped_attention`, where `models.attention.grouped_pays` picks the
-second. Two measurements, each on this machine's threads:
+second (and, in `kernel` mode, against SDPA over operands upcast to fp32, where `widened_pays` picks
+that). Two measurements, each on this machine's threads:
 
     python -m bench.attention [--mode kernel,forward] [--dtypes bfloat16,float32] [--batches 1,2,4,8,16,32,64]
         [--queries 1,2,4,8] [--keys 128,512,1024] [--model NAME] [--out FILE] [--plot]
@@ -61,10 +62,14 @@ def kernel_cell(dtype: torch.dtype, batch: int, queries: int, keys: int, heads: 
     scale = dim ** -0.5
     sdpa = _best_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True), reps)
     grouped = _best_us(lambda: attention.grouped_attention(q, k, v, mask, scale), reps)
-    sdpa, grouped = round(sdpa, 1), round(grouped, 1)  # the ratio of the figures recorded
+    widened = _best_us(lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                              scale=scale, enable_gqa=True).to(dtype), reps)
+    sdpa, grouped, widened = round(sdpa, 1), round(grouped, 1), round(widened, 1)  # the ratios of the figures recorded
     return {"dtype": _name(dtype), "batch": batch, "queries": queries, "keys": keys,
             "sdpa_us": sdpa, "grouped_us": grouped, "ratio": round(grouped / sdpa, 3),
-            "rule": attention.grouped_pays(dtype, batch, queries, keys)}
+            "rule": attention.grouped_pays(dtype, batch, queries, keys),
+            "widened_us": widened, "widened_ratio": round(widened / sdpa, 3),
+            "widened_rule": attention.widened_pays(dtype, batch, queries, keys)}
 
 
 def _rows(batch: int, queries: int, keys: int, vocab: int = 1000):
@@ -92,10 +97,11 @@ def forward_cells(model: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
     for k, v in zip(runner.kv.k, runner.kv.v):
         k.normal_(), v.normal_()
     rows = {shape: _rows(*shape, vocab=runner.model.shape.vocab_size) for shape in shapes}
-    rule = attention.grouped_pays
+    rule, widened_rule = attention.grouped_pays, attention.widened_pays
 
     def forward(shape, grouped: bool) -> float:
-        attention.grouped_pays = lambda *_: grouped  # masked_attention looks it up
+        attention.grouped_pays = lambda *_: grouped  # masked_attention looks them up
+        attention.widened_pays = lambda *_: False  # grouped against SDPA in the model's dtype
         with torch.inference_mode():
             start = time.perf_counter()
             runner._run(rows[shape])
@@ -110,7 +116,7 @@ def forward_cells(model: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
                 for grouped in ((True, False) if turn % 2 == 0 else (False, True)):
                     times.setdefault((shape, grouped), []).append(forward(shape, grouped))
     finally:
-        attention.grouped_pays = rule
+        attention.grouped_pays, attention.widened_pays = rule, widened_rule
     cells = []
     for batch, queries, keys in shapes:
         grouped, sdpa = (round(1e3 * statistics.median(times[((batch, queries, keys), flag)]), 2)
@@ -194,7 +200,9 @@ def main(argv: list[str] | None = None) -> dict:
         for c in result["kernel"]:
             print(f"[attention] kernel {c['dtype']:8s} B{c['batch']:3d} Q{c['queries']:2d} K{c['keys']:5d}  "
                   f"sdpa {c['sdpa_us']:8.1f} us  grouped {c['grouped_us']:8.1f}  x{c['ratio']:.2f}"
-                  f"{'  (rule: grouped)' if c['rule'] else ''}", file=sys.stderr)
+                  f"  widened {c['widened_us']:8.1f}  x{c['widened_ratio']:.2f}"
+                  f"{'  (rule: grouped)' if c['rule'] else ''}{'  (rule: widened)' if c['widened_rule'] else ''}",
+                  file=sys.stderr)
     if "forward" in args.mode:
         shapes = [(b, q, k) for b in args.batches for q in args.queries for k in args.keys]
         result["forward"] = [c for dtype in args.dtypes for c in forward_cells(args.model, dtype, shapes, args.rounds)]

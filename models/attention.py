@@ -263,7 +263,8 @@ def fresh_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, le
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      expand_kv: bool) -> torch.Tensor:
     """q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) bool -> (B, Hq, Q, D); mask None:
-    causal (Q == K, every key a new token). On CPU, SDPA, except where `grouped_pays`: many requests
+    causal (Q == K, every key a new token). On CPU, SDPA, except where `widened_pays` (bf16 decode rows
+    of a few requests, without AMX: SDPA in fp32) or `grouped_pays`: many requests
     of a few queries each, whose KV heads' query rows then run stacked in two batched products
     (`grouped_attention`). Session 17 measured such products 7-13% dearer than SDPA over a strided
     (head-major) gather at 1-32 requests; over a contiguous (B, Hkv, K, D) gather they are cheaper
@@ -278,6 +279,11 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     cheaper there."""
     causal = mask is None
     if not expand_kv:
+        if not causal and widened_pays(q.dtype, q.shape[0], q.shape[2], k.shape[2]):
+            # bf16 operands upcast (exact), fp32 products and softmax, one rounding of the output
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                                 enable_gqa=True)
+            return out.to(q.dtype)
         if not causal and grouped_pays(q.dtype, q.shape[0], q.shape[2], k.shape[2]):
             return grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
@@ -321,6 +327,22 @@ def grouped_pays(dtype: torch.dtype, batch: int, queries: int, keys: int) -> boo
         return False
     min_rows, fewest, most = GROUPED_SHAPES[dtype]
     return fewest <= queries <= most and batch * queries >= min_rows
+
+
+# bf16 decode rows without AMX attend through SDPA in fp32 while requests x keys stay under this.
+WIDENED_MAX_KEYS = 1024
+
+
+def widened_pays(dtype: torch.dtype, batch: int, queries: int, keys: int) -> bool:
+    """Whether a CPU attention call of `batch` requests with `queries` queries each over `keys` keys runs
+    as SDPA over its operands upcast to fp32. Where SDPA's bf16 kernel is slow (`bf16_sdpa_without_amx`)
+    its fp32 kernel over the upcast operands beats both bf16 paths for one query a request over a few
+    keys in all: AMD Zen 5, 2 threads, the default model's bf16 decode steps with each path in turn
+    (docs/benchmarks.md, "Session 46"): 0.94x / 0.84x / 0.87x / 0.93x the step at 1 / 2 / 4 / 8
+    requests over ~100 keys, 0.90x / 0.89x / 0.97x at 1 / 2 / 4 over ~260-460, but 1.01x at 16 over
+    ~100 and 1.08x at 8 over ~460; over 8-13 queries (a tree at one request) 1.3-1.4x a call."""
+    return (dtype == torch.bfloat16 and bf16_sdpa_without_amx() and queries == 1
+            and batch * keys < WIDENED_MAX_KEYS)
 
 
 def _grouped_pays_bf16_without_amx(batch: int, queries: int, keys: int) -> bool:

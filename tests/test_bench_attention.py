@@ -18,8 +18,10 @@ def test_kernel_and_forward_cells_record_both_ways_and_the_rule(tmp_path, tiny_t
     assert [(c["batch"], c["queries"]) for c in kernel] == [(2, 1), (2, 2), (16, 1), (16, 2)]
     assert [(c["batch"], c["queries"]) for c in forward] == [(2, 1), (2, 2), (16, 1), (16, 2)]
     for c in kernel:
-        assert c["sdpa_us"] > 0 and c["grouped_us"] > 0
+        assert c["sdpa_us"] > 0 and c["grouped_us"] > 0 and c["widened_us"] > 0
         assert abs(c["ratio"] - c["grouped_us"] / c["sdpa_us"]) < 0.01
+        assert abs(c["widened_ratio"] - c["widened_us"] / c["sdpa_us"]) < 0.01
+        assert not c["widened_rule"]  # fp32
     for c in kernel + forward:
         assert c["rule"] == grouped_pays(torch.float32, c["batch"], c["queries"], c["keys"])
     assert [c["rule"] for c in forward] == [False, False, True, False]

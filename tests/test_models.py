@@ -317,13 +317,14 @@ def test_expanded_kv_heads_attend_like_native_gqa(heads, kv_heads):
     torch.testing.assert_close(expanded, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("batch,q_len", [(3, 5), (16, 2)])
+@pytest.mark.parametrize("path", ["sdpa", "grouped", "widened"])
+@pytest.mark.parametrize("batch,q_len", [(3, 5), (16, 2), (2, 1)])
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
-def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, q_len, grouped, monkeypatch):
-    """The bf16 CPU decode/verify attention over the pool's (B, Hkv, K, D) gather, through SDPA and
-    grouped (each forced in turn, whatever `grouped_pays` picks on this CPU), equals a plain fp32
-    softmax over the same bf16 inputs, to bf16 rounding; padded-out keys holding huge values stay unread."""
+def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, q_len, path, monkeypatch):
+    """The bf16 CPU decode/verify attention over the pool's (B, Hkv, K, D) gather, through SDPA in bf16,
+    grouped and SDPA in fp32 (each forced in turn, whatever this CPU's rules pick), equals a plain fp32
+    softmax over the same bf16 inputs, to bf16 rounding (the fp32 path to one rounding of its output);
+    padded-out keys holding huge values stay unread."""
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     b, k_len, d = batch, 11, 16
     q = torch.randn(b, heads, q_len, d, generator=g).bfloat16()
@@ -335,13 +336,16 @@ def test_bf16_cpu_attention_matches_a_softmax_reference(heads, kv_heads, batch, 
     kv_of_head = torch.arange(heads) // (heads // kv_heads)
     scores = (q.float() @ k[:, kv_of_head].float().transpose(-1, -2)) * 0.25
     reference = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v[:, kv_of_head].float()
-    monkeypatch.setattr(attention, "grouped_pays", lambda *_: grouped)
+    monkeypatch.setattr(attention, "widened_pays", lambda *_: path == "widened")
+    monkeypatch.setattr(attention, "grouped_pays", lambda *_: path == "grouped")
     calls, real = [], attention.grouped_attention
     monkeypatch.setattr(attention, "grouped_attention", lambda *args: calls.append(1) or real(*args))
     got = masked_attention(q, k, v, mask, 0.25, expand_kv=False)  # (B, Hq, Q, D)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
-    assert len(calls) == int(grouped)
+    assert len(calls) == int(path == "grouped")
+    if path == "widened":
+        torch.testing.assert_close(got, reference.bfloat16(), rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.parametrize("without_amx", [False, True])
@@ -359,6 +363,19 @@ def test_bf16_attention_runs_grouped_where_sdpa_is_slow(without_amx, monkeypatch
     assert not grouped_pays(torch.bfloat16, 64, attention.GROUPED_MAX_QUERIES + 1, 100)
     assert grouped_pays(torch.bfloat16, 32, 2, 100)
     assert grouped_pays(torch.float32, 16, 1, 100) and not grouped_pays(torch.float32, 4, 1, 100)
+
+
+@pytest.mark.parametrize("without_amx", [False, True])
+def test_bf16_decode_rows_of_a_few_requests_attend_in_fp32_without_amx(without_amx, monkeypatch):
+    """Without AMX, bf16 decode rows over few keys in all (requests x keys) attend through SDPA in fp32,
+    faster there than either bf16 path; more keys, several queries a request, fp32 models and AMX CPUs
+    keep their paths."""
+    monkeypatch.setattr(attention, "bf16_sdpa_without_amx", lambda: without_amx)
+    assert attention.widened_pays(torch.bfloat16, 1, 1, 200) == without_amx
+    assert attention.widened_pays(torch.bfloat16, 4, 1, 200) == without_amx
+    assert not attention.widened_pays(torch.bfloat16, 8, 1, 200)
+    assert not attention.widened_pays(torch.bfloat16, 1, 8, 100)
+    assert not attention.widened_pays(torch.float32, 1, 1, 100)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (4, 4)])
