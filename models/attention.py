@@ -314,7 +314,7 @@ GROUPED_MAX_QUERIES = 16
 def bf16_sdpa_without_amx() -> bool:
     """Whether this CPU runs bf16 natively (AVX512-BF16) but without AMX, where SDPA's bf16 CPU kernel
     has no fast product: on an AMD Zen 5 (2 threads, SmolLM2's heads) one request's decode call over
-    512 keys took 231 us in bf16 against 32 us in fp32 (docs/benchmarks.md, "Session 46")."""
+    512 keys took 248 us in bf16 against 31 us in fp32 (bench/results/attention_s46_kernel.json)."""
     return torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
 
 
@@ -337,22 +337,24 @@ def widened_pays(dtype: torch.dtype, batch: int, queries: int, keys: int) -> boo
     """Whether a CPU attention call of `batch` requests with `queries` queries each over `keys` keys runs
     as SDPA over its operands upcast to fp32. Where SDPA's bf16 kernel is slow (`bf16_sdpa_without_amx`)
     its fp32 kernel over the upcast operands beats both bf16 paths for one query a request over a few
-    keys in all: AMD Zen 5, 2 threads, the default model's bf16 decode steps with each path in turn
-    (docs/benchmarks.md, "Session 46"): 0.94x / 0.84x / 0.87x / 0.93x the step at 1 / 2 / 4 / 8
-    requests over ~100 keys, 0.90x / 0.89x / 0.97x at 1 / 2 / 4 over ~260-460, but 1.01x at 16 over
-    ~100 and 1.08x at 8 over ~460; over 8-13 queries (a tree at one request) 1.3-1.4x a call."""
+    keys in all: 0.25-0.56x bf16 SDPA's time and 0.37-0.91x grouped's a call where this picks it
+    (bench/results/attention_s46_kernel.json); the default model's bf16 decode steps with each path in
+    turn (AMD Zen 5, docs/benchmarks.md "Session 46"): 0.94x / 0.84x / 0.87x / 0.93x the step at 1 / 2 /
+    4 / 8 requests over 60-156 keys, 0.90x / 0.89x / 0.90x at 1 / 2 / 4 over 200-296 and 0.97x at 4 over
+    400-496, but 1.01x at 16 over 60-156 and 1.08x at 8 over 400-496. Over 8-16 queries (a tree at one
+    request) it is no faster than bf16 SDPA."""
     return (dtype == torch.bfloat16 and bf16_sdpa_without_amx() and queries == 1
             and batch * keys < WIDENED_MAX_KEYS)
 
 
 def _grouped_pays_bf16_without_amx(batch: int, queries: int, keys: int) -> bool:
     """bf16 without AMX (`bench.attention --mode kernel`, AMD Zen 5, 2 threads, SmolLM2's 9 / 3 heads,
-    bench/results/attention_s46_kernel.json). SDPA's time grows with the keys it reads, ~0.45 us a key
+    bench/results/attention_s46_kernel.json). SDPA's time grows with the keys it reads, ~0.5 us a key
     for one request's query, where grouped costs ~50 us at least: one query a request runs grouped from
-    ~128 keys in all (0.07-0.40x SDPA's time at 4-64 requests, 0.51-0.89x at one request over 128-384 keys,
-    2.1-2.2x over 32-64). Several queries a request (verify) run grouped from 4 requests (0.26-0.98x, but
-    1.48x at 64 requests of 16 queries over 1024 keys) or 512 keys; a few requests over a short context
-    stay on SDPA (1.2-1.9x at one request of 2-16 queries over 128 keys)."""
+    ~128 keys in all (0.07-0.56x SDPA's time at 4-64 requests, 0.16-0.92x at one request over 128-1024
+    keys, 1.49x over 64; fewer keys in all go to `widened_pays` first). Several queries a request (verify)
+    run grouped from 4 requests (0.21-1.12x, but 1.56x at 64 requests of 16 queries over 1024 keys) or 512
+    keys (0.51-1.05x); a few requests over a short context stay on SDPA (1.2-2.3x over 64-128 keys)."""
     if queries > GROUPED_MAX_QUERIES:
         return False
     if queries == 1:
