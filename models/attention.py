@@ -280,10 +280,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     causal = mask is None
     if not expand_kv:
         if not causal and widened_pays(q.dtype, q.shape[0], q.shape[2], k.shape[2]):
-            # bf16 operands upcast (exact), fp32 products and softmax, one rounding of the output
-            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
-            return out.to(q.dtype)
+            return widened_attention(q, k, v, mask, scale)
         if not causal and grouped_pays(q.dtype, q.shape[0], q.shape[2], k.shape[2]):
             return grouped_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
@@ -375,6 +372,13 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     scores.masked_fill_(~mask.view(batch, 1, 1, queries, keys), float("-inf"))
     probs = scores.softmax(-1).to(v.dtype).view(batch, kv_heads, group * queries, keys)
     return torch.matmul(probs, v).view(batch, heads, queries, dim)
+
+
+def widened_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """masked_attention as SDPA over its operands upcast to fp32 (exact): fp32 products and softmax, one
+    rounding of the output to q's dtype. q (B, Hq, Q, D), k/v (B, Hkv, K, D), mask (B, 1, Q, K) -> (B, Hq, Q, D)."""
+    out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.to(q.dtype)
 
 
 def repeat_kv_heads(x: torch.Tensor, group: int) -> torch.Tensor:
