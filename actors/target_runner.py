@@ -13,6 +13,7 @@ from actors.device import parse_dtype, pick_device, set_threads
 from actors.pass_rows import PassRows, ragged_rows
 from models.attention import AttentionMetadata
 from models.build import ModelSource, build_target
+from models.compiled import CompiledDecoder, compiles
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, VerifyInput
@@ -32,6 +33,7 @@ class TargetRunner:
         device: str = "auto",
         num_threads: int | None = None,
         cuda_graphs: bool = True,
+        torch_compile: bool = False,
     ):
         set_threads(num_threads)
         self.algorithm = SpecAlgorithm.from_name(algorithm)
@@ -51,6 +53,11 @@ class TargetRunner:
         self.out_spec = get_draft_input_hidden_state_spec(self.algorithm, self.source.config, draft_config, self.dtype)
         use_aux = self.algorithm is SpecAlgorithm.EAGLE3 and uses_aux_hidden_states(draft_config)
         self.aux_layer_ids = get_target_aux_layer_ids(self.source.config, draft_config) if use_aux else None
+        # Small CPU passes through the compiled decoder (models.compiled), compiled here, at load.
+        self.compiled: CompiledDecoder | None = None
+        if torch_compile and compiles(self.dtype, self.device):
+            self.compiled = CompiledDecoder(self.model)
+            self.compiled.warm_up(self.kv, self.aux_layer_ids, dump_slot=self.num_slots)
 
     @torch.inference_mode()
     def forward_step(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:
@@ -81,6 +88,8 @@ class TargetRunner:
         self.graphs = StepGraphs(self._forward, self.device, dump_slot=self.num_slots, capture=capture)
 
     def _forward(self, tokens: torch.Tensor, _hidden, attn: AttentionMetadata):
+        if self.compiled is not None and self.compiled.takes(tokens, attn):
+            return self.compiled(tokens, attn, self.kv)
         return self.model(tokens, attn, self.kv, self.aux_layer_ids)
 
     def _run(self, rows: PassRows, graphed: bool = False):

@@ -26,9 +26,8 @@ class LocalExecutor:
 
 def build_local(config: EngineConfig) -> Engine:
     target, draft = resolve_sources(config)
-    runner_kwargs = config.runner_kwargs(config.num_threads)
-    target_runner = TargetRunner(config.model, config.algorithm, config.draft_model, **runner_kwargs)
-    drafter = make_drafter(config, **runner_kwargs)
+    target_runner = TargetRunner(**config.target_kwargs(config.num_threads))
+    drafter = make_drafter(config, **config.runner_kwargs(config.num_threads))
     tokenizer = load_tokenizer(target.folder)
     scheduler = Scheduler(scheduler_config(config, target, draft), LocalExecutor(target_runner, drafter),
                           tokenizer, eos_token_ids(target, tokenizer))

@@ -104,6 +104,12 @@ class EngineConfig:
     # from CUDA graphs captured per batch-size bucket (actors.cuda_graphs); prefill and mixed steps,
     # and any pass off CUDA, run eagerly. False: every pass eager.
     cuda_graphs: bool = True
+    # On CPU, run the target's passes of at most 16 token rows (decode of up to 16 requests, a verify
+    # tree at one request) through its decoder compiled by torch.compile (models.compiled): the linears
+    # and attention stay as they are, inductor fuses the small ops between them. Compiles when the
+    # runner loads (about a minute on 2 cores the first time, less from inductor's cache after). Off
+    # here (the offline API and tests start in seconds); `make serve` turns it on (serve.settings).
+    torch_compile: bool = False
     # Ray 2.60's compiled-graph reads spin while they wait (ray#55128), stealing the cores the
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
     # tries (the most a wait adds to a hop). 0: Ray's spinning read (actors.channel_wait). Reads of our
@@ -174,7 +180,7 @@ class EngineConfig:
                 raise ValueError(f"{name}: there is no speculation to limit (speculative_algorithm NONE)")
             if not _positive_int(value):
                 raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-        for name in ("adaptive_speculation", "cost_probe", "cuda_graphs"):
+        for name in ("adaptive_speculation", "cost_probe", "cuda_graphs", "torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
@@ -207,6 +213,11 @@ class EngineConfig:
         """What every runner is built with besides its model: KV pool size, dtype, device, threads."""
         return dict(num_slots=self.kv_slots, dtype=self.torch_dtype, device=self.device, num_threads=num_threads,
                     cuda_graphs=self.cuda_graphs)
+
+    def target_kwargs(self, num_threads: int | None) -> dict:
+        """What the target runner is built with: its model and drafter's, and runner_kwargs."""
+        return dict(model=self.model, algorithm=self.algorithm, draft_model=self.draft_model,
+                    torch_compile=self.torch_compile, **self.runner_kwargs(num_threads))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -123,7 +123,7 @@ class GraphRuntime:
         cpus = target_cpus(c)
         options = self._options(self.bundle_offset + self.per_rank * rank, cpus, c.target_num_gpus)
         kwargs = self._runner_kwargs(cpus)  # one process: both runners share its torch threads
-        target_kwargs = dict(model=c.model, algorithm=c.algorithm, draft_model=c.draft_model, **kwargs)
+        target_kwargs = c.target_kwargs(max(1, int(cpus)))
         if c.colocated_draft:
             return self._sleeping(TargetDraftActor.options(**options).remote(target_kwargs, make_drafter, c, **kwargs))
         return self._sleeping(TargetActor.options(**options).remote(**target_kwargs))

@@ -205,6 +205,11 @@ def paged_attention(
 
     Writes the new K/V into their slots, then attends over each request's gathered slots.
     """
+    if torch.compiler.is_compiling() and meta.parts is None and meta.fresh_lens is None:
+        # Inside a compiled forward (models.compiled) attention stays this eager code, one opaque op:
+        # its path depends on the batch's shape, and the cache writes mutate the pool in place.
+        return torch.ops.specgraph.paged_attention(q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index,
+                                                   meta.mask, meta.q_index, meta.out_rows, scale)
     k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
     return _attend(q, k, v, k_cache, v_cache, meta, scale)
@@ -237,6 +242,29 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
                            expand_kv=q.is_cuda).transpose(1, 2)  # (B, Q, Hq, D)
     out = out.reshape(batch * num_q, heads, dim)
     return out.index_select(0, meta.out_rows) if meta.padded else out  # (T, Hq, D)
+
+
+# paged_attention as one operator for compiled graphs (models.compiled), registered on the CPU
+# dispatch key directly: a `torch.library.custom_op` call costs ~10 us more (its Python wrapper), 30
+# times a step. `padded` is not an argument but read from the shapes (total rows against padded
+# queries), so that a compiled graph holds no constant that differs between passes.
+_LIBRARY = torch.library.Library("specgraph", "FRAGMENT")
+_LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+                "Tensor out_slots, Tensor kv_index, Tensor mask, Tensor q_index, Tensor out_rows, float scale) -> Tensor")
+
+
+def _paged_attention_op(q, k, v, k_cache, v_cache, out_slots, kv_index, mask, q_index, out_rows, scale):
+    meta = AttentionMetadata(positions=out_slots, out_slots=out_slots, kv_index=kv_index, mask=mask,
+                             q_index=q_index, out_rows=out_rows, padded=out_rows.numel() != q_index.numel())
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+_LIBRARY.impl("paged_attention", _paged_attention_op, "CPU")
+
+
+@torch.library.register_fake("specgraph::paged_attention", lib=_LIBRARY)
+def _(q, k, v, k_cache, v_cache, out_slots, kv_index, mask, q_index, out_rows, scale):
+    return torch.empty_like(q)  # (T, Hq, D)
 
 
 @functools.cache

@@ -16,8 +16,8 @@ from graphs.runtime import graph_bundles
 from models.registry import DEFAULT_MODEL
 from serve.app import build_app
 from serve.settings import (
-    API_KEY_ENV, DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION, FALLBACK_SPECULATION, SERVE_DTYPE, bound_ray_gcs_env,
-    split_args)
+    API_KEY_ENV, DEFAULT_EAGLE3_DRAFT, DEFAULT_SPECULATION, FALLBACK_SPECULATION, SERVE_DTYPE, SERVE_TORCH_COMPILE,
+    bound_ray_gcs_env, split_args)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompt tokens one prefill step carries; longer prompts prefill in chunks (512)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="on a GPU, replay decode / verify and draft passes from CUDA graphs (on)")
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=SERVE_TORCH_COMPILE,
+                   help="on CPU, compile the target's decode / small verify passes with torch.compile "
+                        "(on; a longer start)")
     p.add_argument("--short-prefill-tokens", type=int, default=None,
                    help="prompts needing at most this many tokens beyond the prefix cache prefill in a step "
                         "of their own before the running decode (64; 0: off)")

@@ -107,7 +107,8 @@ def test_serve_and_cluster_scale_up_and_down(cluster, tiny_target):
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     app = config["applications"][0]
     app["args"].update(model=str(tiny_target), speculative_algorithm="NGRAM", target_num_cpus=0.5, draft_num_cpus=0,
-                       max_running_requests=4, kv_slots=2048, max_replicas=2)
+                       max_running_requests=4, kv_slots=2048, max_replicas=2,
+                       torch_compile=False)  # replicas that start in seconds (compiling: test_compiled)
     engine = next(d for d in app["deployments"] if d["name"] == "SpecEngine")
     engine["autoscaling_config"].update(max_replicas=2, target_ongoing_requests=2, upscale_delay_s=1,
                                         downscale_delay_s=5, metrics_interval_s=1, look_back_period_s=2)
