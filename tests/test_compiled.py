@@ -105,3 +105,24 @@ def test_engine_with_compiled_target_decodes_like_plain(tiny_target, tiny_eagle3
         finally:
             engine.shutdown()
     assert outputs["compiled"] == outputs["plain"]
+
+
+@pytest.mark.parametrize("path", ["sdpa", "grouped", "widened"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new_lens", [[1], [4], [2, 3]])
+def test_attention_operator_returns_what_its_fake_promises(path, dtype, new_lens, monkeypatch):
+    """The compiled graph reads the attention operator's output with the shape and strides of its fake
+    (a mismatch fails the step): whichever path this CPU's rules pick, forced here in turn."""
+    from models import attention
+
+    monkeypatch.setattr(attention, "widened_pays", lambda *_: path == "widened")
+    monkeypatch.setattr(attention, "grouped_pays", lambda *_: path == "grouped")
+    g = torch.Generator().manual_seed(len(new_lens))
+    _, meta = _pass(new_lens)
+    rows, heads, kv_heads, dim = meta.num_tokens, 4, 2, 16
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(kv_heads, 64, dim, generator=g).to(dtype) for _ in range(2))
+    torch.library.opcheck(torch.ops.specgraph.paged_attention.default,
+                          (q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index, meta.mask, meta.q_index,
+                           meta.out_rows, 0.25), test_utils=("test_schema", "test_faketensor"))
