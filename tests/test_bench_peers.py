@@ -33,7 +33,7 @@ def test_ratios_pair_plain_with_plain_and_serve_with_the_peers_eagle3():
 
 def test_ours_serve_is_the_engine_make_serve_builds():
     from bench.peers.ours_worker import engine_config
-    from serve.settings import split_args
+    from serve.settings import SERVE_TORCH_COMPILE, split_args
 
     job = {"model": "/models/target", "draft": "/heads/eagle3", "dtype": "bfloat16", "kv_slots": 4096,
            "levels": [1, 4]}
@@ -44,6 +44,10 @@ def test_ours_serve_is_the_engine_make_serve_builds():
         if key not in ("model", "draft_model"):  # the bench passes the resolved folders
             assert getattr(ours, key) == value, key
     assert ours.draft_model == "/heads/eagle3"
+    assert ours.torch_compile is SERVE_TORCH_COMPILE  # the CLI's default, as `make serve` passes it
+    assert engine_config(dict(job, config="none")).torch_compile is SERVE_TORCH_COMPILE
+    assert engine_config(dict(job, config="none-eager")).torch_compile is False
+    assert engine_config(dict(job, config="none", torch_compile=False)).torch_compile is False
 
 
 def test_each_level_runs_waves_over_several_prompts():

@@ -25,7 +25,7 @@ from bench.peers.venv import DEFAULT_TORCH_WHEEL, DEFAULT_VENV, REPO_ROOT, ensur
 from graphs.chat_ids import encode_chat
 from models.build import ModelSource, load_tokenizer
 from models.registry import DEFAULT_MODEL
-from serve.settings import DEFAULT_EAGLE3_DRAFT
+from serve.settings import DEFAULT_EAGLE3_DRAFT, SERVE_TORCH_COMPILE
 from train.data import EVAL_SEED, build_prompt_set
 
 DEFAULT_OUT = REPO_ROOT / "bench" / "results" / "peers.json"
@@ -99,6 +99,7 @@ def measure(args, pairs: list[tuple[str, str]], prompts: list[list[int]], folder
     levels = args.levels
     job_base = dict(model=str(folders["model"]), draft=str(folders["draft"]), prompts=prompts,
                     levels=levels, prompts_per_level=args.prompts, max_tokens=args.max_tokens,
+                    torch_compile=args.torch_compile,
                     kv_slots=kv_slots_for(prompts, max(levels), args.max_tokens),
                     max_model_len=max_model_len(max(len(p) for p in prompts) + args.max_tokens))
     for round_ in range(args.rounds):
@@ -174,6 +175,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", type=int, default=8,
                    help="prompts each level runs at least, in waves of LEVEL at once (default 8: batch 1 "
                         "averages 8 prompts one after another)")
+    p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=SERVE_TORCH_COMPILE,
+                   help="our engines compile their target's small passes (EngineConfig.torch_compile; on, as make serve)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
     p.add_argument("--draft", default=DEFAULT_EAGLE3_DRAFT, help="EAGLE-3 head, for both engines")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     results = measure(args, pairs, prompts, folders, failed)
     result = {
         "meta": {"model": args.model, "draft": args.draft, "vllm": version, "levels": args.levels,
-                 "max_tokens": args.max_tokens, "rounds": args.rounds, "prompts_per_level": args.prompts, "dtypes": args.dtypes,
+                 "max_tokens": args.max_tokens, "rounds": args.rounds, "torch_compile": args.torch_compile, "prompts_per_level": args.prompts, "dtypes": args.dtypes,
                  "prompts": f"train.data eval seed {EVAL_SEED}, chat-templated, "
                             f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens",
                  "cpu_count": os.cpu_count(), "load_avg_1m_start": round(load_start, 2),

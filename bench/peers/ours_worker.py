@@ -6,14 +6,15 @@ import time
 
 from bench.peers.jobs import EAGLE3_STEPS, NGRAM_TOKENS, read_job, run_levels, write_result
 from graphs import EngineConfig, SamplingParams, build_graph
-from serve.settings import DEFAULT_SPECULATION
+from serve.settings import DEFAULT_SPECULATION, SERVE_TORCH_COMPILE
 
 
 def engine_config(job: dict) -> EngineConfig:
-    common = dict(model=job["model"], dtype=job["dtype"], kv_slots=job["kv_slots"],
-                  max_running_requests=max(job["levels"]))
     name = job["config"]
-    if name == "none":
+    common = dict(model=job["model"], dtype=job["dtype"], kv_slots=job["kv_slots"],
+                  max_running_requests=max(job["levels"]),
+                  torch_compile=job.get("torch_compile", SERVE_TORCH_COMPILE) and name != "none-eager")
+    if name in ("none", "none-eager"):
         return EngineConfig(**common)
     if name == "ngram":
         return EngineConfig(speculative_algorithm="ngram", num_steps=NGRAM_TOKENS, **common)
