@@ -104,8 +104,8 @@ class EngineConfig:
     # from CUDA graphs captured per batch-size bucket (actors.cuda_graphs); prefill and mixed steps,
     # and any pass off CUDA, run eagerly. False: every pass eager.
     cuda_graphs: bool = True
-    # On CPU, run the target's passes of at most 16 token rows (decode of up to 16 requests, a verify
-    # tree at one request) through its decoder compiled by torch.compile (models.compiled): the linears
+    # On CPU, run the target's passes of at most 64 token rows (decode of up to 64 requests, verify
+    # trees of a few) through its decoder compiled by torch.compile (models.compiled): the linears
     # and attention stay as they are, inductor fuses the small ops between them. Compiles when the
     # runner loads (about a minute on 2 cores the first time, less from inductor's cache after). Off
     # here (the offline API and tests start in seconds); `make serve` turns it on (serve.settings).

@@ -256,8 +256,8 @@ _LIBRARY.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cach
 def _paged_attention_op(q, k, v, k_cache, v_cache, out_slots, kv_index, mask, q_index, out_rows, scale):
     meta = AttentionMetadata(positions=out_slots, out_slots=out_slots, kv_index=kv_index, mask=mask,
                              q_index=q_index, out_rows=out_rows, padded=out_rows.numel() != q_index.numel())
-    # Contiguous, as the fake below promises: the compiled graph reads it with those strides, where the
-    # paths' outputs come in their own (the fp32-widened path's, one request's, is head-major).
+    # Contiguous, as the fake below promises: the compiled graph reads the output with those strides,
+    # and a path's output may be a transposed view (grouped attention's over one request's queries).
     return paged_attention(q, k, v, k_cache, v_cache, meta, scale).contiguous()
 
 

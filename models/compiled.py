@@ -13,11 +13,17 @@ decoder forward is one compiled graph, in which
   batch's shape, and it writes the KV pool in place);
 - inductor fuses everything between them.
 
-Only passes of at most `MAX_ROWS` token rows run compiled (decode of up to 16 requests, a verify
-tree at one request): there the glue is a large share of the step, and the linears run on their
-rows unpadded (`models.packed.EXACT_ROWS`), so one graph with a symbolic row count serves them all
-(sizes of one are not specialised, see `_DYNAMIC`). Longer passes (prefill, large batches) run
-eagerly, as do passes attending in parts or prefilling from scratch.
+Only passes of at most `MAX_ROWS` token rows run compiled (decode of up to 64 requests, verify
+trees of a few): one graph with a symbolic row count serves them all (sizes of one are not
+specialised, see `_DYNAMIC`), its linears on their rows unpadded, a bounded set of shapes for
+oneDNN's caches (`models.packed`). Longer passes (prefill, larger batches) run eagerly, as do
+passes attending in parts or prefilling from scratch.
+
+Whole decode steps of the default model, eager and compiled taking turns on one runner (AMD Zen 5,
+avx512_bf16 without AMX, 2 threads, 60-token prompts; docs/benchmarks.md "Session 47"): compiled
+0.87x / 0.92x / 0.90x / 0.91x the eager step at 1 / 4 / 16 / 32 requests in bf16, 0.90x / 0.88x /
+0.91x / 0.94x in fp32; a one-request verify of 8 / 16 tokens 1.01x / 0.96x in bf16, 0.87x / 0.83x
+in fp32.
 
 Compiling takes tens of seconds (inductor's C++ build; its FX graph cache keeps the result for
 the next start), so `warm_up` compiles at load, not at a user's first request.
@@ -33,9 +39,9 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from models.attention import AttentionMetadata, KVPool
-from models.packed import EXACT_ROWS, product_dtype
+from models.packed import product_dtype
 
-MAX_ROWS = EXACT_ROWS
+MAX_ROWS = 64  # token rows of the largest compiled pass
 # One graph for every row count up to MAX_ROWS and every metadata shape: no specialisation of
 # sizes 0 / 1 (a batch of one, one query a request) and no equalities guessed between sizes that
 # happen to match (duck shapes); both would compile a new graph per batch shape.
@@ -75,15 +81,16 @@ class CompiledDecoder:
 
     Compiled once, by `warm_up`, into one graph with symbolic sizes; every pass `takes` then runs the
     code Dynamo made of `forward` directly, without Dynamo's per-call cache lookup and guard checks
-    (~1-2 ms a step over this model's ~300 parameters and 60 KV tensors, measured against the
-    guarded call: 0.83-0.86x the eager step against 0.88-0.92x at 1-16 requests, bf16, AMD Zen 5;
-    vLLM's compiled models dispatch the same way). The guards it skips hold by construction: one
+    (~1-2 ms a step over this model's ~300 parameters and 60 KV tensors: against the guarded call,
+    0.83-0.86x the eager step instead of 0.88-0.92x at 1-16 requests, bf16, AMD Zen 5; vLLM's
+    compiled models dispatch the same way). The guards it skips hold by construction: one
     model and pool, one `aux_layer_ids`, and `takes` admits only passes of the compiled kind."""
 
     def __init__(self, model: torch.nn.Module):
         _allow_packed_linears()
         self.model = model
         self._run: Callable | None = None  # forward's compiled code, as a function
+        self.aux_layer_ids: list[int] | None = None  # the layers whose inputs the graph returns too
 
     @staticmethod
     def takes(tokens: torch.Tensor, meta: AttentionMetadata) -> bool:

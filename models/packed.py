@@ -112,7 +112,9 @@ class PackedLinear(nn.Module):
         if self.row_weight is not None and rows == 1:  # no guard on the rows where there is no row weight (compiled)
             return F.linear(x, self.row_weight, self.row_bias)
         flat = flat.to(self.product_dtype)
-        padded = padded_rows(rows)
+        # A compiled pass (models.compiled) runs its rows unpadded: at most MAX_ROWS of them, a bounded
+        # set of shapes for oneDNN's caches, and no guard on the row count in its one graph.
+        padded = rows if torch.compiler.is_compiling() else padded_rows(rows)
         if padded != rows:
             flat = torch.cat([flat, flat.new_zeros(padded - rows, self.in_features)])  # (padded, in)
         out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")[:rows]

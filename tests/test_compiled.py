@@ -17,7 +17,7 @@ def compiled_runner(tiny_target, tiny_eagle3_own):
     """An EAGLE-3 target (so its aux hidden states come out of the compiled graph too), fp32."""
     from actors.target_runner import TargetRunner
 
-    runner = TargetRunner(str(tiny_target), "eagle3", str(tiny_eagle3_own), num_slots=256, dtype="float32",
+    runner = TargetRunner(str(tiny_target), "eagle3", str(tiny_eagle3_own), num_slots=MAX_ROWS * 16 + 32, dtype="float32",
                           device="cpu", torch_compile=True)
     assert isinstance(runner.compiled, CompiledDecoder)
     return runner
