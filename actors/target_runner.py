@@ -6,6 +6,8 @@ tokens, accept lengths and the hidden rows the draft needs (a DraftExtendInput).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from actors.cuda_graphs import StepGraphs, pool_slots
@@ -20,6 +22,8 @@ from spec.batch import BatchMeta, DraftExtendInput, VerifyInput
 from spec.sampling import (accept_tree, choose_tokens, needs_processors, prefill_processor_rows, token_logprobs,
                            tree_processor_rows)
 from spec.shapes import get_draft_input_hidden_state_spec, get_target_aux_layer_ids, uses_aux_hidden_states
+
+log = logging.getLogger(__name__)
 
 
 class TargetRunner:
@@ -56,8 +60,12 @@ class TargetRunner:
         # Small CPU passes through the compiled decoder (models.compiled), compiled here, at load.
         self.compiled: CompiledDecoder | None = None
         if torch_compile and compiles(self.dtype, self.device):
-            self.compiled = CompiledDecoder(self.model)
-            self.compiled.warm_up(self.kv, self.aux_layer_ids, dump_slot=self.num_slots)
+            try:
+                self.compiled = CompiledDecoder(self.model)
+                self.compiled.warm_up(self.kv, self.aux_layer_ids, dump_slot=self.num_slots)
+            except Exception as exc:  # a model inductor cannot compile still serves, eagerly
+                log.warning("torch_compile: compiling %s failed, running it eagerly: %s", model, exc)
+                self.compiled = None
 
     @torch.inference_mode()
     def forward_step(self, meta: BatchMeta, verify: VerifyInput) -> DraftExtendInput:

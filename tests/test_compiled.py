@@ -126,3 +126,16 @@ def test_attention_operator_returns_what_its_fake_promises(path, dtype, new_lens
     torch.library.opcheck(torch.ops.specgraph.paged_attention.default,
                           (q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index, meta.mask, meta.q_index,
                            meta.out_rows, 0.25), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_a_target_that_fails_to_compile_serves_eagerly(tiny_target, monkeypatch, caplog):
+    from actors.target_runner import TargetRunner
+    from models import compiled
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("inductor cannot lower this model")
+
+    monkeypatch.setattr(compiled.CompiledDecoder, "warm_up", fail)
+    runner = TargetRunner(str(tiny_target), num_slots=32, dtype="float32", device="cpu", torch_compile=True)
+    assert runner.compiled is None
+    assert "running it eagerly" in caplog.text and "cannot lower" in caplog.text
