@@ -114,8 +114,12 @@ class GraphRuntime:
             **({"runtime_env": {"env_vars": OMP_ENV[policy]}} if OMP_ENV[policy] else {}),
         )
 
+    @staticmethod
+    def _threads(num_cpus: float) -> int:
+        return max(1, int(num_cpus))  # one torch thread per CPU granted
+
     def _runner_kwargs(self, num_cpus: float) -> dict:
-        return self.config.runner_kwargs(num_threads=max(1, int(num_cpus)))  # one torch thread per CPU granted
+        return self.config.runner_kwargs(num_threads=self._threads(num_cpus))
 
     def _new_target(self, rank: int):
         """The rank's target actor; with a colocated draft it hosts the drafter too, on both their CPUs."""
@@ -123,7 +127,7 @@ class GraphRuntime:
         cpus = target_cpus(c)
         options = self._options(self.bundle_offset + self.per_rank * rank, cpus, c.target_num_gpus)
         kwargs = self._runner_kwargs(cpus)  # one process: both runners share its torch threads
-        target_kwargs = c.target_kwargs(max(1, int(cpus)))
+        target_kwargs = c.target_kwargs(self._threads(cpus))
         if c.colocated_draft:
             return self._sleeping(TargetDraftActor.options(**options).remote(target_kwargs, make_drafter, c, **kwargs))
         return self._sleeping(TargetActor.options(**options).remote(**target_kwargs))

@@ -176,7 +176,8 @@ def parse_args(argv: list[str] | None):
                    help="prompts each level runs at least, in waves of LEVEL at once (default 8: batch 1 "
                         "averages 8 prompts one after another)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=SERVE_TORCH_COMPILE,
-                   help="our engines compile their target's small passes (EngineConfig.torch_compile; on, as make serve)")
+                   help="our engines compile their target's small passes (EngineConfig.torch_compile; "
+                        "on, as make serve)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
     p.add_argument("--draft", default=DEFAULT_EAGLE3_DRAFT, help="EAGLE-3 head, for both engines")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     results = measure(args, pairs, prompts, folders, failed)
     result = {
         "meta": {"model": args.model, "draft": args.draft, "vllm": version, "levels": args.levels,
-                 "max_tokens": args.max_tokens, "rounds": args.rounds, "torch_compile": args.torch_compile, "prompts_per_level": args.prompts, "dtypes": args.dtypes,
+                 "max_tokens": args.max_tokens, "rounds": args.rounds, "torch_compile": args.torch_compile,
+                 "prompts_per_level": args.prompts, "dtypes": args.dtypes,
                  "prompts": f"train.data eval seed {EVAL_SEED}, chat-templated, "
                             f"{min(map(len, prompts))}-{max(map(len, prompts))} tokens",
                  "cpu_count": os.cpu_count(), "load_avg_1m_start": round(load_start, 2),
