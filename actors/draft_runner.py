@@ -21,6 +21,7 @@ from actors.cuda_graphs import StepGraphs, pool_slots
 from actors.device import parse_dtype, pick_device, set_threads
 from actors.pass_rows import PassRows
 from models.build import ModelSource, build_draft
+from models.cpu_kernels import use_attention_kernel
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, DraftInput, VerifyInput, placeholder_draft_input
@@ -190,6 +191,7 @@ class DraftRunner:
         ngram_branch: int = 0,
         min_path_prob: float = 0.0,
         cuda_graphs: bool = True,
+        torch_compile: bool = False,
     ):
         set_threads(num_threads)
         self.ngram_branch, self.min_path_prob = ngram_branch, min_path_prob
@@ -200,6 +202,10 @@ class DraftRunner:
         target, draft = ModelSource.resolve(target_model), ModelSource.resolve(draft_model)
         self.model = build_draft(self.algorithm, draft, target, self.dtype, self.device)
         pack_linears(self.model, self.dtype, self.device)
+        # On CPU, attention through our C++ kernel (models.cpu_kernels). The draft's forward is not
+        # compiled: in a serving step its small passes run on weights the target's pass has just pushed
+        # out of the caches, and compiling them bought ~1-2% of a step (docs/benchmarks.md "Session 48").
+        self.attention_kernel = torch_compile and use_attention_kernel(self.model, self.dtype, self.device)
         self.kv = self.model.make_kv_pool(pool_slots(num_slots), self.dtype, self.device)
         self.num_slots = num_slots
         # Propose levels and extends through CUDA graphs, one set per input kind (from the target

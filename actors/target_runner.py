@@ -16,6 +16,7 @@ from actors.pass_rows import PassRows, ragged_rows
 from models.attention import AttentionMetadata
 from models.build import ModelSource, build_target
 from models.compiled import CompiledDecoder, compiles
+from models.cpu_kernels import use_attention_kernel
 from models.packed import pack_linears
 from spec.algorithm import SpecAlgorithm
 from spec.batch import BatchMeta, DraftExtendInput, VerifyInput
@@ -57,8 +58,10 @@ class TargetRunner:
         self.out_spec = get_draft_input_hidden_state_spec(self.algorithm, self.source.config, draft_config, self.dtype)
         use_aux = self.algorithm is SpecAlgorithm.EAGLE3 and uses_aux_hidden_states(draft_config)
         self.aux_layer_ids = get_target_aux_layer_ids(self.source.config, draft_config) if use_aux else None
-        # Small CPU passes through the compiled decoder (models.compiled), compiled here, at load.
+        # On CPU: attention through our C++ kernel (models.cpu_kernels), and small passes through the
+        # compiled decoder (models.compiled), both built here, at load.
         self.compiled: CompiledDecoder | None = None
+        self.attention_kernel = torch_compile and use_attention_kernel(self.model, self.dtype, self.device)
         if torch_compile and compiles(self.dtype, self.device):
             try:
                 self.compiled = CompiledDecoder(self.model)

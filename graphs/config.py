@@ -106,9 +106,10 @@ class EngineConfig:
     cuda_graphs: bool = True
     # On CPU, run the target's passes of at most 64 token rows (decode of up to 64 requests, verify
     # trees of a few) through its decoder compiled by torch.compile (models.compiled): the linears
-    # and attention stay as they are, inductor fuses the small ops between them. Compiles when the
-    # runner loads (about a minute on 2 cores the first time, less from inductor's cache after). Off
-    # here (the offline API and tests start in seconds); `make serve` turns it on (serve.settings).
+    # stay as they are, inductor fuses the small ops between them; and the target's and draft's
+    # attention through our C++ kernel (models.cpu_kernels). Both build when the runners load
+    # (about a minute on 2 cores the first time, less from the caches after). Off here (the offline
+    # API and tests start in seconds); `make serve` turns it on (serve.settings).
     torch_compile: bool = False
     # Ray 2.60's compiled-graph reads spin while they wait (ray#55128), stealing the cores the
     # runners compute on; the graph's processes poll instead, sleeping up to this long between
@@ -212,12 +213,12 @@ class EngineConfig:
     def runner_kwargs(self, num_threads: int | None) -> dict:
         """What every runner is built with besides its model: KV pool size, dtype, device, threads."""
         return dict(num_slots=self.kv_slots, dtype=self.torch_dtype, device=self.device, num_threads=num_threads,
-                    cuda_graphs=self.cuda_graphs)
+                    cuda_graphs=self.cuda_graphs, torch_compile=self.torch_compile)
 
     def target_kwargs(self, num_threads: int | None) -> dict:
         """What the target runner is built with: its model and drafter's, and runner_kwargs."""
         return dict(model=self.model, algorithm=self.algorithm, draft_model=self.draft_model,
-                    torch_compile=self.torch_compile, **self.runner_kwargs(num_threads))
+                    **self.runner_kwargs(num_threads))
 
     @property
     def torch_dtype(self) -> torch.dtype:

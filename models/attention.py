@@ -199,12 +199,16 @@ class KVPool:
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, scale: float,
+    meta: AttentionMetadata, scale: float, kernel: bool = False,
 ) -> torch.Tensor:
     """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens, caches (Hkv, S, D) -> (T, Hq, D).
 
-    Writes the new K/V into their slots, then attends over each request's gathered slots.
+    Writes the new K/V into their slots, then attends over each request's gathered slots; `kernel`:
+    a pass attending in one piece does both in our C++ CPU kernel (models.cpu_kernels) instead.
     """
+    if kernel and meta.parts is None and meta.fresh_lens is None:
+        return torch.ops.specgraph_kernels.paged_attention(q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index,
+                                                           meta.mask, meta.q_index, scale)
     if torch.compiler.is_compiling() and meta.parts is None and meta.fresh_lens is None:
         # Inside a compiled forward (models.compiled) attention stays this eager code, one opaque op:
         # its path depends on the batch's shape, and the cache writes mutate the pool in place.

@@ -79,6 +79,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, shape.rms_norm_eps)
         self.qk_norm = shape.qk_norm
         self.qkv_proj: nn.Linear | None = None  # set by fuse_projections (serving only)
+        self.kernel = False  # attend through our C++ CPU kernel (models.cpu_kernels, serving only)
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj by one linear over their stacked weights: one weight pass per token
@@ -104,7 +105,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
         qk = apply_rotary(qk, cos, sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, Hq, D)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.kernel)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -1,0 +1,142 @@
+// Paged attention over the token-slot KV pool on CPU: one kernel for decode and verify passes.
+//
+// The PyTorch path (models/attention.py `_attend`) gathers each request's keys and values out of
+// the pool, then runs SDPA or two batched products: ~15 tensor ops a layer, each with its dispatch
+// and its own pass over memory, and SDPA's CPU kernels cost 40-2000 us a call for the few queries
+// over a few hundred keys of a decode step (AMD Zen 4, 2 threads, bf16; docs/benchmarks.md
+// "Session 48"). Here one loop per (request, query, query head) reads its keys and values straight
+// from the pool through the slot index, in fp32 (bf16 operands widened as they load, fp32 sums and
+// softmax, one rounding of the output: the arithmetic of the widened path).
+//
+//   q (T, Hq, D); k_cache, v_cache (Hkv, S, D); kv_index (B, K) slots; mask (B, 1, Q, K) bool;
+//   q_index (B, Q) row of q of each request's query (T: a padded query, skipped) -> out (T, Hq, D)
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr float kMasked = -1e30f;  // a masked key's score: exp(kMasked - top) is 0
+
+// A row of `dim` values as fp32 (bf16 widened: its bits are the top half of an fp32's).
+inline void widen(const float* src, float* dst, int64_t dim) { std::copy(src, src + dim, dst); }
+
+inline void widen(const at::BFloat16* src, float* dst, int64_t dim) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
+template <typename scalar_t>
+void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& kv_index, const at::Tensor& mask, const at::Tensor& q_index, at::Tensor& out,
+                 double scale) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
+  const int64_t batch = q_index.size(0), queries = q_index.size(1), keys = kv_index.size(1);
+  const int64_t group = heads / kv_heads;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t* index = kv_index.data_ptr<int64_t>();
+  const bool* allowed = mask.data_ptr<bool>();
+  const int64_t* q_rows = q_index.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  // One work item per (request, query, KV head): the query heads of its group read each key and
+  // value once, together. A chunk of items should hold a few thousand key reads, so that starting
+  // the threads does not outweigh the work.
+  const int64_t items = batch * queries * kv_heads;
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(keys * group, 1));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * keys), qf(group * dim), acc(group * dim), row(dim), top(group), total(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kvh = item % kv_heads, bq = item / kv_heads, b = bq / queries;
+      const int64_t t = q_rows[bq];
+      if (t >= rows) continue;  // a padded query
+      const scalar_t* qrow = qp + (t * heads + kvh * group) * dim;  // (G, D): the group's query heads
+      widen(qrow, qf.data(), group * dim);
+      for (int64_t i = 0; i < group * dim; ++i) qf[i] *= fscale;
+      const bool* m = allowed + bq * keys;
+      const int64_t* idx = index + b * keys;
+      const scalar_t* kbase = kp + kvh * slots * dim;
+      const scalar_t* vbase = vp + kvh * slots * dim;
+      // Masked keys score kMasked (finite: the file builds with -ffast-math), so that the softmax
+      // below is one plain loop a key, which the compiler vectorizes, exp included.
+      std::fill(scores.begin(), scores.end(), kMasked);
+      std::fill(top.begin(), top.end(), kMasked);
+      for (int64_t k = 0; k < keys; ++k) {
+        if (!m[k]) continue;
+        widen(kbase + idx[k] * dim, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * dim;
+          float s = 0.f;
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * row[d];
+          scores[g * keys + k] = s;
+          top[g] = std::max(top[g], s);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * keys;
+        const float shift = top[g];
+        float sum = 0.f;
+        for (int64_t k = 0; k < keys; ++k) {
+          sg[k] = std::exp(sg[k] - shift);  // exactly 0 for a masked key
+          sum += sg[k];
+        }
+        total[g] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < keys; ++k) {
+        if (!m[k]) continue;
+        widen(vbase + idx[k] * dim, row.data(), dim);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * keys + k];
+          float* ag = acc.data() + g * dim;
+          for (int64_t d = 0; d < dim; ++d) ag[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = total[g] > 0.f ? 1.f / total[g] : 0.f;
+        scalar_t* orow = op + (t * heads + kvh * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<scalar_t>(acc[g * dim + d] * inv);
+      }
+    }
+  });
+}
+
+// Writes the new tokens' K/V into their slots, then attends: the whole of `paged_attention` for a
+// pass attending in one piece (models/attention.py).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& kv_index,
+                           const at::Tensor& mask, const at::Tensor& q_index, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: q (T, Hq, D) and contiguous caches (Hkv, S, D) expected");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "paged_attention: q and the caches differ in dtype");
+  k_cache.index_copy_(1, out_slots, k.transpose(0, 1));
+  v_cache.index_copy_(1, out_slots, v.transpose(0, 1));
+  const at::Tensor qc = q.contiguous(), index = kv_index.contiguous(), rows = q_index.contiguous();
+  const at::Tensor allowed = mask.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  if (q.scalar_type() == at::kFloat) {
+    attend_rows<float>(qc, k_cache, v_cache, index, allowed, rows, out, scale);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 expected, got ", q.scalar_type());
+    attend_rows<at::BFloat16>(qc, k_cache, v_cache, index, allowed, rows, out, scale);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specgraph_kernels, m) {
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_slots, "
+        "Tensor kv_index, Tensor mask, Tensor q_index, float scale) -> Tensor");
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+}
