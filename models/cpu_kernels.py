@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -49,6 +51,10 @@ def load_attention_kernel() -> bool:
     from torch.utils.cpp_extension import load
 
     try:
+        if shutil.which("ninja") is None:  # the venv's own (a dependency), where its bin is not on PATH
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
         load(name=f"specgraph_kernels_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
              is_python_module=False)
     except Exception as exc:  # no compiler, or one that rejects the flags: the PyTorch path serves
