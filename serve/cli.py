@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="on a GPU, replay decode / verify and draft passes from CUDA graphs (on)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=SERVE_TORCH_COMPILE,
                    help="on CPU, compile the target's decode / small verify passes with torch.compile "
-                        "(on; a longer start)")
+                        "and attend through our C++ kernel (on; a longer start)")
     p.add_argument("--short-prefill-tokens", type=int, default=None,
                    help="prompts needing at most this many tokens beyond the prefix cache prefill in a step "
                         "of their own before the running decode (64; 0: off)")

@@ -35,8 +35,9 @@ FALLBACK_SPECULATION = {"speculative_algorithm": "NGRAM"}
 # The server's dtype unless one is asked for (the CLI, the deploy config and bench.serve_load's servers):
 # bf16 on GPUs and on CPUs with AMX / AVX512-BF16, fp32 elsewhere.
 SERVE_DTYPE = "auto"
-# The server compiles its target's small passes on CPU (EngineConfig.torch_compile), as vLLM's CPU
-# engine compiles its model: a longer start, a faster step (docs/benchmarks.md, "Session 47").
+# The server compiles its target's small passes on CPU and attends through our C++ kernel
+# (EngineConfig.torch_compile), as vLLM's CPU engine compiles its model and runs its own attention
+# kernels: a longer start, a faster step (docs/benchmarks.md, "Session 47", "Session 48").
 SERVE_TORCH_COMPILE = True
 ENGINE_DEPLOYMENT = "SpecEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"

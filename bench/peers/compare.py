@@ -176,8 +176,8 @@ def parse_args(argv: list[str] | None):
                    help="prompts each level runs at least, in waves of LEVEL at once (default 8: batch 1 "
                         "averages 8 prompts one after another)")
     p.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=SERVE_TORCH_COMPILE,
-                   help="our engines compile their target's small passes (EngineConfig.torch_compile; "
-                        "on, as make serve)")
+                   help="our engines compile their target's small passes and attend through our C++ "
+                        "kernel (EngineConfig.torch_compile; on, as make serve)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="target: registry name, HF folder or .gguf")
     p.add_argument("--draft", default=DEFAULT_EAGLE3_DRAFT, help="EAGLE-3 head, for both engines")
     p.add_argument("--venv", type=Path, default=DEFAULT_VENV)

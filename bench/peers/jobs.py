@@ -11,8 +11,8 @@ from typing import Callable
 # What each engine runs under each config name (ours: `bench.peers.ours_worker`, vLLM:
 # `bench.peers.vllm_worker`). "serve" is `make serve`'s engine: its speculation (serve.settings)
 # on the Ray backend; the others run our local (in-process) engine. Ours compile their target's small
-# passes as the run asks (`--torch-compile`, on by default as in `make serve`); "none-eager" is plain
-# decoding without compiling, whatever the run asks.
+# passes and attend through our C++ kernel as the run asks (`--torch-compile`, on by default as in
+# `make serve`); "none-eager" is plain decoding without either, whatever the run asks.
 CONFIGS = {
     "ours": ("none", "ngram", "eagle3", "serve", "none-eager"),
     "vllm": ("none", "ngram", "eagle3"),
