@@ -4,8 +4,12 @@ that). Two measurements, each on this machine's threads:
 
     python -m bench.attention [--mode kernel,forward] [--dtypes bfloat16,float32] [--batches 1,2,4,8,16,32,64]
         [--queries 1,2,4,8] [--keys 128,512,1024] [--model NAME] [--out FILE] [--plot]
+    python -m bench.attention --mode paged ...
 
-`kernel`: one attention call over a (B, Hkv, K, D) gather (the pool's, contiguous) with a causal
+`paged`: one layer's whole `paged_attention` call over the KV pool (the new tokens' K/V written, then
+attention over each request's slots: decode rows or a tree of Q nodes after K committed keys), PyTorch's
+path (its rules choosing SDPA, grouped or widened) against our C++ kernel (`models.cpu_kernels`), the
+best of three rounds of `--reps` calls each. `kernel`: one attention call over a (B, Hkv, K, D) gather (the pool's, contiguous) with a causal
 mask that ends in each request's own queries, both ways, per (dtype, requests, queries, keys): the
 best of three rounds of `--reps` calls. `forward`: the target model's whole forward over decode
 (one query) and verify (a tree of Q nodes) rows of B requests with K committed keys each, every
@@ -71,6 +75,28 @@ def kernel_cell(dtype: torch.dtype, batch: int, queries: int, keys: int, heads: 
             "widened_rule": attention.widened_pays(dtype, batch, queries, keys)}
 
 
+def paged_cell(dtype: torch.dtype, batch: int, queries: int, keys: int, heads: int, kv_heads: int, dim: int,
+               reps: int) -> dict:
+    """One layer's paged_attention call both ways: PyTorch's path and our C++ kernel, over a pool holding
+    `_rows`' slots (each request's keys consecutive, as the allocator hands them out)."""
+    from models import cpu_kernels
+
+    if not cpu_kernels.load_attention_kernel():
+        raise RuntimeError("bench.attention --mode paged: the C++ kernel could not be built (see the warning)")
+    g = torch.Generator().manual_seed(batch * 1000 + queries * 10 + keys)
+    meta = _rows(batch, queries, keys).metadata("cpu")
+    rows, slots = batch * queries, batch * (keys + queries)
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    k_cache, v_cache = (torch.randn(kv_heads, slots, dim, generator=g).to(dtype) for _ in range(2))
+    scale = dim ** -0.5
+    with torch.inference_mode():
+        pytorch, cpp = (round(_best_us(lambda: attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale, kernel),
+                                       reps), 1) for kernel in (False, True))
+    return {"dtype": _name(dtype), "batch": batch, "queries": queries, "keys": keys,
+            "pytorch_us": pytorch, "cpp_us": cpp, "ratio": round(cpp / pytorch, 3)}
+
+
 def _rows(batch: int, queries: int, keys: int, vocab: int = 1000):
     """PassRows of `batch` requests, each `keys` committed slots then a `queries`-node tree (a root and
     its children; one node: a decode row), in consecutive slots; token ids below `vocab`."""
@@ -126,13 +152,14 @@ def forward_cells(model: str, dtype: torch.dtype, shapes: list[tuple[int, int, i
     return cells
 
 
-def plot(result: dict, path: Path) -> Path:
+def plot(result: dict, path: Path, section: str = "kernel") -> Path:
+    """Each dtype's time ratio per request count: grouped / SDPA (`kernel`) or C++ / PyTorch (`paged`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cells = result["kernel"]
+    cells = result[section]
     dtypes = sorted({c["dtype"] for c in cells})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes):
@@ -144,7 +171,7 @@ def plot(result: dict, path: Path) -> Path:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("requests")
-        ax.set_ylabel("grouped / SDPA time")
+        ax.set_ylabel("grouped / SDPA time" if section == "kernel" else "C++ kernel / PyTorch path time")
         ax.set_title(f"{dtype}, {result['meta']['threads']} threads")
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -158,7 +185,7 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="kernel,forward", help="kernel, forward, or both")
+    p.add_argument("--mode", default="kernel,forward", help="kernel, forward, paged, comma-separated")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--queries", type=_ints, default=[1, 2, 4, 8])
@@ -166,7 +193,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--reps", type=int, default=50, help="kernel: calls per timing round")
+    p.add_argument("--reps", type=int, default=50, help="kernel, paged: calls per timing round")
     p.add_argument("--rounds", type=int, default=6, help="forward: alternating rounds per shape")
     p.add_argument("--model", default=DEFAULT_MODEL, help="forward: the target model")
     p.add_argument("--threads", type=int, default=None)
@@ -174,8 +201,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--plot", action="store_true")
     args = p.parse_args(argv)
     args.mode = {m.strip() for m in args.mode.split(",") if m.strip()}
-    if not args.mode or args.mode - {"kernel", "forward"}:
-        p.error(f"--mode: {sorted(args.mode)} is not a subset of kernel, forward")
+    if not args.mode or args.mode - {"kernel", "forward", "paged"}:
+        p.error(f"--mode: {sorted(args.mode)} is not a subset of kernel, forward, paged")
     args.dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
     if any(not isinstance(d, torch.dtype) for d in args.dtypes):
         p.error("--dtypes: torch dtype names, e.g. bfloat16,float32")
@@ -202,6 +229,12 @@ def main(argv: list[str] | None = None) -> dict:
                   f"  widened {c['widened_us']:8.1f}  x{c['widened_ratio']:.2f}"
                   f"{'  (rule: grouped)' if c['rule'] else ''}{'  (rule: widened)' if c['widened_rule'] else ''}",
                   file=sys.stderr)
+    if "paged" in args.mode:
+        result["paged"] = [paged_cell(dtype, b, q, k, args.heads, args.kv_heads, args.head_dim, args.reps)
+                           for dtype in args.dtypes for b in args.batches for q in args.queries for k in args.keys]
+        for c in result["paged"]:
+            print(f"[attention] paged {c['dtype']:8s} B{c['batch']:3d} Q{c['queries']:2d} K{c['keys']:5d}  "
+                  f"pytorch {c['pytorch_us']:8.1f} us  C++ {c['cpp_us']:8.1f}  x{c['ratio']:.2f}", file=sys.stderr)
     if "forward" in args.mode:
         shapes = [(b, q, k) for b in args.batches for q in args.queries for k in args.keys]
         result["forward"] = [c for dtype in args.dtypes for c in forward_cells(args.model, dtype, shapes, args.rounds)]
@@ -212,8 +245,10 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.plot and "kernel" in result:
-        plot(result, out.with_suffix(".png"))
+    for section in ("kernel", "paged"):
+        if args.plot and section in result:
+            plot(result, out.with_name(f"{out.stem}_{section}.png") if "kernel" in result and "paged" in result
+                 else out.with_suffix(".png"), section)
     return result
 
 

@@ -38,3 +38,22 @@ def test_forward_rows_are_decode_rows_or_trees_over_their_keys():
     assert rows.trees[0].tolist() == [[True, False, False, False], [True, True, False, False],
                                       [True, False, True, False], [True, False, False, True]]
     assert set(rows.slots.tolist()).isdisjoint(rows.prefix.flatten().tolist())
+
+
+def test_paged_cells_time_pytorch_and_the_cpp_kernel(tmp_path):
+    from models import cpu_kernels
+
+    if not cpu_kernels.load_attention_kernel():
+        import pytest
+
+        pytest.skip("no C++ compiler for the kernel")
+    out = tmp_path / "paged.json"
+    result = bench_attention.main(["--mode", "paged", "--dtypes", "float32,bfloat16", "--batches", "1,4",
+                                   "--queries", "1,3", "--keys", "8", "--heads", "4", "--kv-heads", "2",
+                                   "--head-dim", "8", "--reps", "2", "--out", str(out), "--plot"])
+    assert json.loads(out.read_text()) == result and out.with_suffix(".png").exists()
+    cells = result["paged"]
+    assert [(c["dtype"], c["batch"], c["queries"]) for c in cells] == [
+        (d, b, q) for d in ("float32", "bfloat16") for b in (1, 4) for q in (1, 3)]
+    for c in cells:
+        assert c["pytorch_us"] > 0 and c["cpp_us"] > 0 and abs(c["ratio"] - c["cpp_us"] / c["pytorch_us"]) < 0.01
