@@ -204,11 +204,12 @@ def paged_attention(
     """q (T, Hq, D), k/v (T, Hkv, D) of the new tokens, caches (Hkv, S, D) -> (T, Hq, D).
 
     Writes the new K/V into their slots, then attends over each request's gathered slots; `kernel`:
-    a pass attending in one piece does both in our C++ CPU kernel (models.cpu_kernels) instead.
+    a pass attending in one piece goes through our C++ CPU operator (models.cpu_kernels), which does
+    both in its own loops for one query a request (decode) and comes back here for more (verify).
     """
     if kernel and meta.parts is None and meta.fresh_lens is None:
         return torch.ops.specgraph_kernels.paged_attention(q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index,
-                                                           meta.mask, meta.q_index, scale)
+                                                           meta.mask, meta.q_index, meta.out_rows, scale)
     if torch.compiler.is_compiling() and meta.parts is None and meta.fresh_lens is None:
         # Inside a compiled forward (models.compiled) attention stays this eager code, one opaque op:
         # its path depends on the batch's shape, and the cache writes mutate the pool in place.

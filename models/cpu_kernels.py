@@ -62,7 +62,7 @@ def load_attention_kernel() -> bool:
         return False
 
     @torch.library.register_fake("specgraph_kernels::paged_attention")
-    def _(q, k, v, k_cache, v_cache, out_slots, kv_index, mask, q_index, scale):
+    def _(q, k, v, k_cache, v_cache, out_slots, kv_index, mask, q_index, out_rows, scale):
         return torch.empty_like(q, memory_format=torch.contiguous_format)  # (T, Hq, D)
 
     return True

@@ -62,7 +62,8 @@ def test_kernel_attends_as_the_pytorch_path(new_lens, prefix_lens, trees, heads,
 def test_kernel_operator_returns_what_its_fake_promises():
     q, k, v, k_cache, v_cache, meta = _pass([2, 3], [5, 9], False, 0, 4, 2, 16, torch.float32)
     torch.library.opcheck(torch.ops.specgraph_kernels.paged_attention.default,
-                          (q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index, meta.mask, meta.q_index, 0.25),
+                          (q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index, meta.mask, meta.q_index,
+                           meta.out_rows, 0.25),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -100,3 +101,17 @@ def test_attention_stays_on_pytorch_where_the_kernel_cannot_be_built(tiny_target
     runner = TargetRunner(str(tiny_target), num_slots=32, dtype="float32", device="cpu", torch_compile=True)
     assert runner.attention_kernel is False
     assert not any(m.kernel for m in runner.model.modules() if isinstance(m, Attention))
+
+
+@pytest.mark.parametrize("new_lens,trees,pytorch_path", [([1, 1, 1], False, False), ([4, 4], True, True)])
+def test_one_query_a_request_runs_the_kernel_and_trees_the_pytorch_path(new_lens, trees, pytorch_path):
+    """Decode rows attend in the kernel's loops; verify trees go back to the PyTorch path's operator,
+    whose batched products are faster there (bench.attention --mode paged)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v, k_cache, v_cache, meta = _pass(new_lens, [10] * len(new_lens), trees, 1, 4, 2, 16, torch.float32)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, kernel=True)
+    names = {e.name for e in prof.events()}
+    assert "specgraph_kernels::paged_attention" in names
+    assert ("specgraph::paged_attention" in names) is pytorch_path
