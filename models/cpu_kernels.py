@@ -1,11 +1,14 @@
 """Our C++ CPU kernels (models/csrc), built on first use with torch's cpp_extension.
 
-`paged_attention.cpp` attends decode and verify passes straight over the KV pool: one loop per
-(request, query, KV head) that reads its keys and values through the slot index, where the PyTorch
-path gathers them and runs SDPA (~15 ops a layer). Per layer call against that path (AMD Zen 4,
-avx512_bf16, 2 threads, SmolLM2's 9 / 3 heads; docs/benchmarks.md "Session 48"): one request's decode
-over 200 keys 35 against 120 us in bf16, 44 against 116 in fp32; 4 / 16 / 64 requests 0.1-0.3x
-the time; a one-request verify of 8 queries about even.
+`paged_attention.cpp` attends decode passes straight over the KV pool: one loop per (request, KV
+head) that reads its keys and values through the slot index, where the PyTorch path gathers them and
+runs SDPA or batched products (~15 ops a layer). One layer's call against that path (`python -m
+bench.attention --mode paged`, AMD Zen 4, avx512_bf16, 2 threads, SmolLM2's 9 / 3 heads;
+bench/results/attention_s48_paged_kernel.json): one request over 200 / 1000 keys 0.35x / 0.09x the time
+in bf16, 0.46x / 0.52x in fp32; 4-64 requests 0.21-1.01x (bf16) and 0.14-0.88x (fp32). Over 8 queries a
+request (verify trees) its loops were 1.2-2.8x slower than the PyTorch path's batched products, so the
+operator hands such passes to that path (`specgraph::paged_attention`), at run time, inside the one
+operator a compiled graph calls.
 
 The build takes ~15 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keeps it),
 compiled for this CPU (-march=native; the cache entry is named for the CPU's flags). Where it fails

@@ -1,12 +1,13 @@
-// Paged attention over the token-slot KV pool on CPU: one kernel for decode and verify passes.
+// Paged attention over the token-slot KV pool on CPU: one operator for decode and verify passes.
 //
 // The PyTorch path (models/attention.py `_attend`) gathers each request's keys and values out of
 // the pool, then runs SDPA or two batched products: ~15 tensor ops a layer, each with its dispatch
 // and its own pass over memory, and SDPA's CPU kernels cost 40-2000 us a call for the few queries
 // over a few hundred keys of a decode step (AMD Zen 4, 2 threads, bf16; docs/benchmarks.md
-// "Session 48"). Here one loop per (request, query, query head) reads its keys and values straight
-// from the pool through the slot index, in fp32 (bf16 operands widened as they load, fp32 sums and
-// softmax, one rounding of the output: the arithmetic of the widened path).
+// "Session 48"). Here one loop per (request, query, KV head) reads its keys and values straight from
+// the pool through the slot index, once for the group's query heads, in fp32 (bf16 operands widened as
+// they load, fp32 sums and softmax, one rounding of the output: the arithmetic of the widened path).
+// Passes of several queries a request go to the PyTorch path (see `paged_attention` below).
 //
 //   q (T, Hq, D); k_cache, v_cache (Hkv, S, D); kv_index (B, K) slots; mask (B, 1, Q, K) bool;
 //   q_index (B, Q) row of q of each request's query (T: a padded query, skipped) -> out (T, Hq, D);
