@@ -207,14 +207,13 @@ def paged_attention(
     a pass attending in one piece goes through our C++ CPU operator (models.cpu_kernels), which does
     both in its own loops for one query a request (decode) and comes back here for more (verify).
     """
-    if kernel and meta.parts is None and meta.fresh_lens is None:
-        return torch.ops.specgraph_kernels.paged_attention(q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index,
-                                                           meta.mask, meta.q_index, meta.out_rows, scale)
-    if torch.compiler.is_compiling() and meta.parts is None and meta.fresh_lens is None:
-        # Inside a compiled forward (models.compiled) attention stays this eager code, one opaque op:
-        # its path depends on the batch's shape, and the cache writes mutate the pool in place.
-        return torch.ops.specgraph.paged_attention(q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index,
-                                                   meta.mask, meta.q_index, meta.out_rows, scale)
+    if meta.parts is None and meta.fresh_lens is None and (kernel or torch.compiler.is_compiling()):
+        # One opaque op: our C++ operator, or inside a compiled forward (models.compiled) this eager
+        # code as an operator (its path depends on the batch's shape, and the cache writes mutate the
+        # pool in place).
+        op = torch.ops.specgraph_kernels.paged_attention if kernel else torch.ops.specgraph.paged_attention
+        return op(q, k, v, k_cache, v_cache, meta.out_slots, meta.kv_index, meta.mask, meta.q_index, meta.out_rows,
+                  scale)
     k_cache.index_copy_(1, meta.out_slots, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.out_slots, v.transpose(0, 1))
     return _attend(q, k, v, k_cache, v_cache, meta, scale)

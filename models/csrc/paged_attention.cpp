@@ -10,7 +10,7 @@
 // Passes of several queries a request go to the PyTorch path (see `paged_attention` below).
 //
 //   q (T, Hq, D); k_cache, v_cache (Hkv, S, D); kv_index (B, K) slots; mask (B, 1, Q, K) bool;
-//   q_index (B, Q) row of q of each request's query (T: a padded query, skipped) -> out (T, Hq, D);
+//   q_index (B, Q) row of q of each request's query (T: a padded query) -> out (T, Hq, D);
 //   out_rows as AttentionMetadata's, for the PyTorch path that several queries a request take
 
 #include <ATen/ATen.h>
@@ -41,9 +41,9 @@ template <typename scalar_t>
 void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& kv_index, const at::Tensor& mask, const at::Tensor& q_index, at::Tensor& out,
                  double scale) {
-  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
-  const int64_t batch = q_index.size(0), queries = q_index.size(1), keys = kv_index.size(1);
+  const int64_t batch = q_index.size(0), keys = kv_index.size(1);
   const int64_t group = heads / kv_heads;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kp = k_cache.data_ptr<scalar_t>();
@@ -53,21 +53,21 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t* q_rows = q_index.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  // One work item per (request, query, KV head): the query heads of its group read each key and
-  // value once, together. A chunk of items should hold a few thousand key reads, so that starting
-  // the threads does not outweigh the work.
-  const int64_t items = batch * queries * kv_heads;
+  // One query a request (the caller hands other passes to the PyTorch path), so no query is padded.
+  // One work item per (request, KV head): the query heads of its group read each key and value once,
+  // together. A chunk of items should hold a few thousand key reads, so that starting the threads
+  // does not outweigh the work.
+  const int64_t items = batch * kv_heads;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(keys * group, 1));
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(group * keys), qf(group * dim), acc(group * dim), row(dim), top(group), total(group);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t kvh = item % kv_heads, bq = item / kv_heads, b = bq / queries;
-      const int64_t t = q_rows[bq];
-      if (t >= rows) continue;  // a padded query
+      const int64_t kvh = item % kv_heads, b = item / kv_heads;
+      const int64_t t = q_rows[b];
       const scalar_t* qrow = qp + (t * heads + kvh * group) * dim;  // (G, D): the group's query heads
       widen(qrow, qf.data(), group * dim);
       for (int64_t i = 0; i < group * dim; ++i) qf[i] *= fscale;
-      const bool* m = allowed + bq * keys;
+      const bool* m = allowed + b * keys;
       const int64_t* idx = index + b * keys;
       const scalar_t* kbase = kp + kvh * slots * dim;
       const scalar_t* vbase = vp + kvh * slots * dim;
