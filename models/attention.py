@@ -205,7 +205,7 @@ def paged_attention(
 
     Writes the new K/V into their slots, then attends over each request's gathered slots; `kernel`:
     a pass attending in one piece goes through our C++ CPU operator (models.cpu_kernels), which does
-    both in its own loops for one query a request (decode) and comes back here for more (verify).
+    both in its own loops for up to 16 queries a request (decode, verify) and comes back here for more.
     """
     if meta.parts is None and meta.fresh_lens is None and (kernel or torch.compiler.is_compiling()):
         # One opaque op: our C++ operator, or inside a compiled forward (models.compiled) this eager

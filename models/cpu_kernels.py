@@ -1,14 +1,13 @@
 """Our C++ CPU kernels (models/csrc), built on first use with torch's cpp_extension.
 
-`paged_attention.cpp` attends decode passes straight over the KV pool: one loop per (request, KV
-head) that reads its keys and values through the slot index, where the PyTorch path gathers them and
+`paged_attention.cpp` attends decode and verify passes straight over the KV pool: loops per (request,
+KV head) that read its keys and values through the slot index, where the PyTorch path gathers them and
 runs SDPA or batched products (~15 ops a layer). One layer's call against that path (`python -m
-bench.attention --mode paged`, AMD Zen 4, avx512_bf16, 2 threads, SmolLM2's 9 / 3 heads;
-bench/results/attention_s48_paged_kernel.json): one request over 200 / 1000 keys 0.35x / 0.09x the time
-in bf16, 0.46x / 0.52x in fp32; 4-64 requests 0.21-1.01x (bf16) and 0.14-0.88x (fp32). Over 8 queries a
-request (verify trees) its loops were 1.2-2.8x slower than the PyTorch path's batched products, so the
-operator hands such passes to that path (`specgraph::paged_attention`), at run time, inside the one
-operator a compiled graph calls.
+bench.attention --mode paged`, AMD Zen 4, avx512_bf16, 2 threads, SmolLM2's 9 / 3 heads; 1-64 requests
+over 200 / 1000 keys; bench/results/attention_s49_paged_queries.json): one query a request (decode rows)
+0.17-0.75x the time in bf16 and 0.10-0.55x in fp32; 2-16 queries a request (verify trees, the draft's
+extends) 0.22-1.06x and 0.15-0.92x. Longer queries (prompt chunks after a prefix) go to that path's
+operator (`specgraph::paged_attention`), at run time, inside the one operator a compiled graph calls.
 
 The build takes ~15 s once per machine (torch's extension cache, ~/.cache/torch_extensions, keeps it),
 compiled for this CPU (-march=native; the cache entry is named for the CPU's flags). Where it fails

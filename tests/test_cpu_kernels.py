@@ -39,17 +39,20 @@ def _pass(new_lens: list[int], prefix_lens: list[int], trees: bool, seed: int, h
     ([1, 1, 1, 1, 1], [3, 40, 17, 1, 60], False),  # decode of ragged contexts
     ([6], [21], True),                       # one request's verify tree
     ([4, 4, 4], [9, 30, 2], True),           # trees of a few requests
+    ([8], [150], True),                      # one request's tree over keys that end mid-tile
     ([2, 5, 3], [12, 0, 25], False),         # ragged chains: padded queries, a request without a prefix
+    ([16, 3], [33, 7], False),               # the longest queries the kernel takes, a padded one
+    ([20], [12], False),                     # a longer chunk after a prefix: the PyTorch path's
 ])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 6), (9, 3)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 16), (6, 6, 16), (9, 3, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_attends_as_the_pytorch_path(new_lens, prefix_lens, trees, heads, kv_heads, dtype):
-    q, k, v, k_cache, v_cache, meta = _pass(new_lens, prefix_lens, trees, len(new_lens) + heads, heads, kv_heads, 16,
+def test_kernel_attends_as_the_pytorch_path(new_lens, prefix_lens, trees, heads, kv_heads, dim, dtype):
+    q, k, v, k_cache, v_cache, meta = _pass(new_lens, prefix_lens, trees, len(new_lens) + heads, heads, kv_heads, dim,
                                             dtype)
     # The reference in fp32 (a bf16 kernel widens as it loads and rounds once, at the output).
     ref_k, ref_v = k_cache.float(), v_cache.float()  # copies, written by the reference pass
-    ref = paged_attention(q.float(), k.float(), v.float(), ref_k, ref_v, meta, 0.25)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, kernel=True)
+    ref = paged_attention(q.float(), k.float(), v.float(), ref_k, ref_v, meta, dim ** -0.5)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, dim ** -0.5, kernel=True)
     assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
@@ -103,13 +106,20 @@ def test_attention_stays_on_pytorch_where_the_kernel_cannot_be_built(tiny_target
     assert not any(m.kernel for m in runner.model.modules() if isinstance(m, Attention))
 
 
-@pytest.mark.parametrize("new_lens,trees,pytorch_path", [([1, 1, 1], False, False), ([4, 4], True, True)])
-def test_one_query_a_request_runs_the_kernel_and_trees_the_pytorch_path(new_lens, trees, pytorch_path):
-    """Decode rows attend in the kernel's loops; verify trees go back to the PyTorch path's operator,
-    whose batched products are faster there (bench.attention --mode paged)."""
+@pytest.mark.parametrize("new_lens,trees,dim,pytorch_path", [
+    ([1, 1, 1], False, 16, False),  # decode rows: the one-query loops
+    ([4, 4], True, 16, False),      # verify trees: the several-query loops
+    ([16], False, 16, False),
+    ([17], False, 16, True),        # longer queries: the PyTorch path's SDPA
+    ([4, 4], True, 24, True),       # several queries over heads not a whole number of the kernel's tiles
+    ([1, 1], False, 24, False),
+])
+def test_the_kernel_runs_up_to_16_queries_a_request_and_the_pytorch_path_more(new_lens, trees, dim, pytorch_path):
+    """Passes of up to 16 queries a request attend in the kernel's loops; longer prompt chunks after a
+    prefix go back to the PyTorch path's operator, whose SDPA shares their work better."""
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v, k_cache, v_cache, meta = _pass(new_lens, [10] * len(new_lens), trees, 1, 4, 2, 16, torch.float32)
+    q, k, v, k_cache, v_cache, meta = _pass(new_lens, [10] * len(new_lens), trees, 1, 4, 2, dim, torch.float32)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, kernel=True)
     names = {e.name for e in prof.events()}

@@ -4,14 +4,15 @@
 // the pool, then runs SDPA or two batched products: ~15 tensor ops a layer, each with its dispatch
 // and its own pass over memory, and SDPA's CPU kernels cost 40-2000 us a call for the few queries
 // over a few hundred keys of a decode step (AMD Zen 4, 2 threads, bf16; docs/benchmarks.md
-// "Session 48"). Here one loop per (request, query, KV head) reads its keys and values straight from
-// the pool through the slot index, once for the group's query heads, in fp32 (bf16 operands widened as
+// "Session 48"). Here loops per (request, KV head) read its keys and values straight from the pool
+// through the slot index, once for all the query rows they serve, in fp32 (bf16 operands widened as
 // they load, fp32 sums and softmax, one rounding of the output: the arithmetic of the widened path).
-// Passes of several queries a request go to the PyTorch path (see `paged_attention` below).
+// One query a request (decode rows, the draft's tree levels): `attend_rows`. Up to kMaxQueries
+// (verify trees, the draft's extends, short prompt chunks): `attend_queries`. More: the PyTorch path.
 //
 //   q (T, Hq, D); k_cache, v_cache (Hkv, S, D); kv_index (B, K) slots; mask (B, 1, Q, K) bool;
 //   q_index (B, Q) row of q of each request's query (T: a padded query) -> out (T, Hq, D);
-//   out_rows as AttentionMetadata's, for the PyTorch path that several queries a request take
+//   out_rows as AttentionMetadata's, for the PyTorch path that long queries take
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,7 +54,7 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   const int64_t* q_rows = q_index.data_ptr<int64_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   const float fscale = static_cast<float>(scale);
-  // One query a request (the caller hands other passes to the PyTorch path), so no query is padded.
+  // One query a request (the caller sends other passes elsewhere), so no query is padded.
   // One work item per (request, KV head): the query heads of its group read each key and value once,
   // together. A chunk of items should hold a few thousand key reads, so that starting the threads
   // does not outweigh the work.
@@ -115,16 +116,129 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   });
 }
 
+// Several queries a request (verify trees, the draft's extends over accepted tokens, short prompt
+// chunks). A work item is (request, KV head, a run of its queries): its rows are the group's query heads
+// for each of those queries, R = Q' * G (row qi * G + g). It reads the keys kTile at a time, widened
+// into a transposed tile (D, kTile): a tile's scores are then R x kTile products summed over D with the
+// keys in the vector lanes (no horizontal sums), kRowBlock rows at once (independent sums that hide an
+// FMA's latency, over one load of the tile). The values are widened once, then summed into kRowBlock
+// rows' outputs at a time, held in registers. A padded query (q_index T) attends to its one key; its
+// output is not written. A request's queries are split over items only where there are fewer
+// (request, KV head) pairs than twice the threads (one request's tree: 3 KV heads on 2 threads).
+constexpr int64_t kTile = 16, kRowBlock = 4;
+// More queries a request than this (long prompt chunks after a prefix) go to the PyTorch path: SDPA's
+// blocked kernels share the work better there. models/attention.py's LONG_QUERIES, the same bound.
+constexpr int64_t kMaxQueries = 16;
+// kTile floats, one vector (two on AVX2): GCC's and Clang's vector extension, whatever -march=native gives.
+typedef float f32x16 __attribute__((vector_size(kTile * sizeof(float))));
+
+template <typename scalar_t>
+void attend_queries(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& kv_index, const at::Tensor& mask, const at::Tensor& q_index, at::Tensor& out,
+                    double scale) {
+  const int64_t tokens = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = k_cache.size(0), slots = k_cache.size(1);
+  const int64_t batch = q_index.size(0), queries = q_index.size(1), keys = kv_index.size(1);
+  const int64_t group = heads / kv_heads, chunks = dim / kTile;
+  const int64_t pairs = batch * kv_heads;
+  const int64_t splits = std::min(queries, std::max<int64_t>(1, (2 * at::get_num_threads() + pairs - 1) / pairs));
+  const int64_t per_split = (queries + splits - 1) / splits;
+  const int64_t most_rows = (per_split * group + kRowBlock - 1) / kRowBlock * kRowBlock;  // zero rows past R
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kp = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vp = v_cache.data_ptr<scalar_t>();
+  const int64_t* index = kv_index.data_ptr<int64_t>();
+  const bool* allowed = mask.data_ptr<bool>();
+  const int64_t* q_rows = q_index.data_ptr<int64_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(keys * per_split * group, 1));
+  at::parallel_for(0, pairs * splits, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(most_rows * dim), scores(most_rows * keys), total(most_rows), row(dim);
+    std::vector<f32x16> tile(dim), values(keys * chunks);  // (D, kTile) keys transposed; (K, D) values
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t split = item % splits, kvh = (item / splits) % kv_heads, b = item / (splits * kv_heads);
+      const int64_t first = split * per_split, count = std::min(per_split, queries - first);
+      if (count <= 0) continue;
+      const int64_t rows = count * group;
+      const int64_t* t_of = q_rows + b * queries + first;
+      std::fill(qf.begin(), qf.end(), 0.f);
+      for (int64_t qi = 0; qi < count; ++qi) {
+        if (t_of[qi] >= tokens) continue;
+        float* dst = qf.data() + qi * group * dim;
+        widen(qp + (t_of[qi] * heads + kvh * group) * dim, dst, group * dim);
+        for (int64_t i = 0; i < group * dim; ++i) dst[i] *= fscale;
+      }
+      const bool* m = allowed + (b * queries + first) * keys;  // (Q', K)
+      const int64_t* idx = index + b * keys;
+      const scalar_t* kbase = kp + kvh * slots * dim;
+      const scalar_t* vbase = vp + kvh * slots * dim;
+      for (int64_t k0 = 0; k0 < keys; k0 += kTile) {
+        const int64_t n = std::min(kTile, keys - k0);
+        for (int64_t j = 0; j < kTile; ++j) {
+          if (j < n) {
+            widen(kbase + idx[k0 + j] * dim, row.data(), dim);
+          } else {
+            std::fill(row.begin(), row.end(), 0.f);
+          }
+          for (int64_t d = 0; d < dim; ++d) tile[d][j] = row[d];
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+          const float* q0 = qf.data() + r0 * dim;
+          f32x16 s[kRowBlock] = {};
+          for (int64_t d = 0; d < dim; ++d) {
+            const f32x16 t = tile[d];
+            for (int64_t i = 0; i < kRowBlock; ++i) s[i] += q0[i * dim + d] * t;
+          }
+          for (int64_t i = 0; i < kRowBlock && r0 + i < rows; ++i) {
+            const bool* mr = m + ((r0 + i) / group) * keys + k0;
+            float* sr = scores.data() + (r0 + i) * keys + k0;
+            for (int64_t j = 0; j < n; ++j) sr[j] = mr[j] ? s[i][j] : kMasked;
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * keys;
+        const float shift = *std::max_element(sr, sr + keys);
+        float sum = 0.f;
+        for (int64_t k = 0; k < keys; ++k) {
+          sr[k] = std::exp(sr[k] - shift);  // exactly 0 for a masked key
+          sum += sr[k];
+        }
+        total[r] = sum;
+      }
+      for (int64_t k = 0; k < keys; ++k) widen(vbase + idx[k] * dim, reinterpret_cast<float*>(&values[k * chunks]), dim);
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          f32x16 acc[kRowBlock] = {};
+          for (int64_t k = 0; k < keys; ++k) {
+            const f32x16 v = values[k * chunks + c];
+            for (int64_t i = 0; i < kRowBlock; ++i) acc[i] += scores[(r0 + i) * keys + k] * v;
+          }
+          for (int64_t i = 0; i < kRowBlock && r0 + i < rows; ++i) {
+            const int64_t r = r0 + i, qi = r / group, g = r % group;
+            if (t_of[qi] >= tokens) continue;
+            const float inv = total[r] > 0.f ? 1.f / total[r] : 0.f;
+            scalar_t* orow = op + (t_of[qi] * heads + kvh * group + g) * dim + c * kTile;
+            for (int64_t j = 0; j < kTile; ++j) orow[j] = static_cast<scalar_t>(acc[i][j] * inv);
+          }
+        }
+      }
+    }
+  });
+}
+
 // Writes the new tokens' K/V into their slots, then attends: the whole of `paged_attention` for a
-// pass attending in one piece (models/attention.py). Passes whose requests carry several queries (verify
-// trees) go to the PyTorch path's operator instead, `specgraph::paged_attention`: its batched products
-// beat these loops there (1.2-2.8x faster over 8 queries a request, bench/results/attention_s48_paged_kernel.json).
-// The choice is made here, at run time, so that one compiled graph serves both kinds of pass.
+// pass attending in one piece (models/attention.py). Passes of more than kMaxQueries queries a request
+// (prompt chunks after a prefix), and of several over heads whose width is not a multiple of kTile, go to
+// the PyTorch path's operator instead, `specgraph::paged_attention`.
+// The choice is made here, at run time, so that one compiled graph serves every kind of pass.
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& out_slots, const at::Tensor& kv_index,
                            const at::Tensor& mask, const at::Tensor& q_index, const at::Tensor& out_rows,
                            double scale) {
-  if (q_index.size(1) != 1) {
+  const int64_t queries = q_index.size(1);
+  if (queries > kMaxQueries || (queries > 1 && q.size(2) % kTile != 0)) {
     static const c10::OperatorHandle pytorch_path =
         c10::Dispatcher::singleton().findSchemaOrThrow("specgraph::paged_attention", "");
     torch::jit::Stack stack{q, k, v, k_cache, v_cache, out_slots, kv_index, mask, q_index, out_rows, scale};
@@ -139,11 +253,13 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   const at::Tensor qc = q.contiguous(), index = kv_index.contiguous(), rows = q_index.contiguous();
   const at::Tensor allowed = mask.contiguous();
   at::Tensor out = at::empty_like(qc);
+  const bool one_query = queries == 1;
   if (q.scalar_type() == at::kFloat) {
-    attend_rows<float>(qc, k_cache, v_cache, index, allowed, rows, out, scale);
+    (one_query ? attend_rows<float> : attend_queries<float>)(qc, k_cache, v_cache, index, allowed, rows, out, scale);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 expected, got ", q.scalar_type());
-    attend_rows<at::BFloat16>(qc, k_cache, v_cache, index, allowed, rows, out, scale);
+    (one_query ? attend_rows<at::BFloat16> : attend_queries<at::BFloat16>)(qc, k_cache, v_cache, index, allowed, rows,
+                                                                            out, scale);
   }
   return out;
 }
