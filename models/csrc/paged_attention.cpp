@@ -40,8 +40,9 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t dim) {
 
 // attend_queries' tile of keys and block of query rows (see there).
 constexpr int64_t kTile = 16, kRowBlock = 4;
-// More queries a request than this (long prompt chunks after a prefix) go to the PyTorch path: SDPA's
-// blocked kernels share the work better there. models/attention.py's LONG_QUERIES, the same bound.
+// More queries a request than this (long prompt chunks after a prefix) go to the PyTorch path, whose SDPA
+// is built for long queries; these loops were measured up to 16 (bench.attention). models/attention.py's
+// LONG_QUERIES, the same bound, keeps such chunks in passes of their own.
 constexpr int64_t kMaxQueries = 16;
 // kTile floats, one vector (two on AVX2): GCC's and Clang's vector extension, whatever -march=native gives.
 typedef float f32x16 __attribute__((vector_size(kTile * sizeof(float))));
