@@ -38,6 +38,18 @@ inline void widen(const at::BFloat16* src, float* dst, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
 }
 
+// Softmax's numerator in place over a row of `n` scores, shifted by their top: returns the row's sum.
+// Masked keys score kMasked (finite: the file builds with -ffast-math), so this is one plain loop a key,
+// which the compiler vectorizes, exp included, and a masked key's term is exactly 0.
+inline float exp_sum(float* scores, int64_t n, float shift) {
+  float sum = 0.f;
+  for (int64_t k = 0; k < n; ++k) {
+    scores[k] = std::exp(scores[k] - shift);
+    sum += scores[k];
+  }
+  return sum;
+}
+
 // attend_queries' tile of keys and block of query rows (see there).
 constexpr int64_t kTile = 16, kRowBlock = 4;
 // More queries a request than this (long prompt chunks after a prefix) go to the PyTorch path, whose SDPA
@@ -84,8 +96,7 @@ struct PagedPass {
         const int64_t* idx = index + b * keys;
         const scalar_t* kbase = kp + kvh * slots * dim;
         const scalar_t* vbase = vp + kvh * slots * dim;
-        // Masked keys score kMasked (finite: the file builds with -ffast-math), so that the softmax
-        // below is one plain loop a key, which the compiler vectorizes, exp included.
+        // Masked keys score kMasked, for `exp_sum`.
         std::fill(scores.begin(), scores.end(), kMasked);
         std::fill(top.begin(), top.end(), kMasked);
         for (int64_t k = 0; k < keys; ++k) {
@@ -99,16 +110,7 @@ struct PagedPass {
             top[g] = std::max(top[g], s);
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * keys;
-          const float shift = top[g];
-          float sum = 0.f;
-          for (int64_t k = 0; k < keys; ++k) {
-            sg[k] = std::exp(sg[k] - shift);  // exactly 0 for a masked key
-            sum += sg[k];
-          }
-          total[g] = sum;
-        }
+        for (int64_t g = 0; g < group; ++g) total[g] = exp_sum(scores.data() + g * keys, keys, top[g]);
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t k = 0; k < keys; ++k) {
           if (!m[k]) continue;
@@ -133,7 +135,7 @@ struct PagedPass {
   // for each of those queries, R = Q' * G (row qi * G + g). It reads the keys kTile at a time, widened
   // into a transposed tile (D, kTile): a tile's scores are then R x kTile products summed over D with the
   // keys in the vector lanes (no horizontal sums), kRowBlock rows at once (independent sums that hide an
-  // FMA's latency, over one load of the tile). The values are widened once, then summed into kRowBlock
+  // FMA's latency, over one load of the tile). The values are widened once an item, then summed into kRowBlock
   // rows' outputs at a time, held in registers. A padded query (q_index T) attends to its one key; its
   // output is not written. A request's queries are split over items only where there are fewer
   // (request, KV head) pairs than twice the threads (one request's tree: 3 KV heads on 2 threads).
@@ -190,13 +192,7 @@ struct PagedPass {
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = scores.data() + r * keys;
-          const float shift = *std::max_element(sr, sr + keys);
-          float sum = 0.f;
-          for (int64_t k = 0; k < keys; ++k) {
-            sr[k] = std::exp(sr[k] - shift);  // exactly 0 for a masked key
-            sum += sr[k];
-          }
-          total[r] = sum;
+          total[r] = exp_sum(sr, keys, *std::max_element(sr, sr + keys));
         }
         for (int64_t k = 0; k < keys; ++k) widen(vbase + idx[k] * dim, reinterpret_cast<float*>(&values[k * chunks]), dim);
         for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
